@@ -1,0 +1,31 @@
+"""memdoctor's one error hierarchy.
+
+Errors are raised anywhere and caught only at the edge (``memdoctor.cli.main``), where they are printed
+as one line, without a traceback, and turned into the exit code they carry.
+"""
+
+from __future__ import annotations
+
+
+class MemdoctorError(Exception):
+    """Base class of every error memdoctor reports to a user."""
+
+    exit_code = 2
+
+
+class UsageError(MemdoctorError):
+    """Bad command-line input: a missing script, an unparseable size, an existing output folder."""
+
+    exit_code = 2
+
+
+class TraceError(MemdoctorError):
+    """A trace file that cannot be read: missing, corrupt, truncated, or from a newer memdoctor."""
+
+    exit_code = 3
+
+
+class OutputError(MemdoctorError):
+    """An output location that cannot be written."""
+
+    exit_code = 2

@@ -1,0 +1,52 @@
+"""Byte sizes: parsing what users type (``8GiB``, ``7.5GB``, ``512M``) and formatting what we show."""
+
+from __future__ import annotations
+
+import re
+
+from memdoctor.errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as ``8GiB``, ``8G`` (binary), ``7.5GB`` (decimal) or ``123456``."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise UsageError(f"cannot read {text!r} as a size: write e.g. 8GiB, 7.5GB, 512MiB or a byte count")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: float | int | None, precision: int = 2) -> str:
+    """Format a byte count with binary units: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    if n is None:
+        return "n/a"
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.{precision}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
