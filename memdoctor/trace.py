@@ -135,9 +135,7 @@ class StepRecord:
             if not isinstance(cols, dict):
                 raise ValueError("step.modules entries must be objects")
             modules[_as_int(key, "step.modules key")] = {k: _numbers(v, k) for k, v in cols.items()}
-        timeline = {
-            k: (None if v is None else _list_of(v, k)) for k, v in _dict(rec, "timeline", {}).items()
-        }
+        timeline = {k: (None if v is None else _list_of(v, k)) for k, v in _dict(rec, "timeline", {}).items()}
         memory = _dict(rec, "memory")
         _check_nonneg(memory.get("peak_bytes"), "memory.peak_bytes")
         return cls(
@@ -207,7 +205,9 @@ class TraceWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is None:
             raise ValueError("trace writer is closed")
-        line = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default)
+        line = json.dumps(
+            record, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default
+        )
         self._fh.write(gzip.compress(line.encode() + b"\n", compresslevel=6, mtime=0))
         self._fh.flush()
         if self._fsync:
@@ -352,7 +352,7 @@ def _add_record(trace: Trace, rec: dict[str, Any]) -> None:
     elif kind == "event":
         ev = {k: v for k, v in rec.items() if k != "type"}
         ev["kind"] = _name(ev.get("kind", "note"))
-        ev["message"] = str(ev.get("message", ""))[:MAX_NAME_CHARS * 4]
+        ev["message"] = str(ev.get("message", ""))[: MAX_NAME_CHARS * 4]
         trace.events.append(ev)
     elif kind == "end":
         trace.end = {k: v for k, v in rec.items() if k != "type"}
@@ -423,7 +423,12 @@ def _as_int(value: Any, what: str) -> int:
 def _opt_float(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError("a duration must be a number >= 0")
     return float(value)
 
