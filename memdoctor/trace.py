@@ -229,11 +229,18 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
         for rec in trace.records():
             writer.write(rec)
         writer.close()
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _json_default(obj: Any) -> Any:

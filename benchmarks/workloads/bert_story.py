@@ -1,0 +1,158 @@
+"""The story's workload: fine-tune BERT-base for sequence classification in a plain PyTorch loop.
+
+BERT-base (`BertConfig()` defaults: 12 layers, hidden 768, ~110M parameters) with a 2-class head, batch 32,
+every sequence padded to 512 tokens, fp32, AdamW(lr=3e-5). This is the run that did not fit the story's
+8 GB card; memdoctor benchmarks its profiler overhead and its predictions on it:
+
+    python benchmarks/workloads/bert_story.py --steps 20 --timing-file /tmp/bert_steps.jsonl
+    memdoctor profile benchmarks/workloads/bert_story.py -- --timing-file /tmp/bert_steps_profiled.jsonl
+
+`--tiny` builds a 2-layer, 64-wide BERT (and, unless given, batch 4 and length 64) for a CPU smoke run.
+
+Timing: with `--timing-file PATH`, one JSON line `{"step": i, "step_ms": ...}` is appended to PATH after
+every optimizer step i (1-based) and flushed at once, so a run stopped at any point leaves complete lines.
+`step_ms` is the wall time between consecutive step ends, each taken after `torch.cuda.synchronize()` on
+CUDA; step 1 is timed from the start of the loop, so it includes the first batch and any warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from typing import TextIO
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from transformers import BertConfig, BertForSequenceClassification
+
+PAD_ID = 0
+
+
+class PaddedClassification(Dataset):
+    """Synthetic token sequences with variable real lengths, each padded to seq_len; made on the host."""
+
+    def __init__(self, size: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(max(2, seq_len // 4), seq_len + 1, (size,), generator=g)
+        self.tokens = torch.randint(1, vocab_size, (size, seq_len), generator=g)
+        self.labels = torch.randint(0, 2, (size,), generator=g)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        mask = (torch.arange(self.seq_len) < self.lengths[i]).long()
+        input_ids = self.tokens[i] * mask + PAD_ID * (1 - mask)
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": self.labels[i]}
+
+
+class StepTimer:
+    """Appends {"step", "step_ms"} JSON lines, one per optimizer step, flushed as they are written."""
+
+    def __init__(self, path: str | None, device: torch.device) -> None:
+        self.sync = device.type == "cuda"
+        self.file: TextIO | None = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self.last = self._now()
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def step_end(self, step: int) -> None:
+        if self.file is None:
+            return
+        now = self._now()
+        self.file.write(json.dumps({"step": step, "step_ms": round((now - self.last) * 1e3, 3)}) + "\n")
+        self.file.flush()
+        self.last = now
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=None, help="default 32 (4 with --tiny)")
+    p.add_argument("--seq-len", type=int, default=None, help="pad to this; default 512 (64 with --tiny)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps to run")
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--bf16", action="store_true", help="run forward and loss under torch.autocast(bfloat16)")
+    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: a CPU smoke run")
+    p.add_argument("--attn", choices=["eager", "sdpa"], default="sdpa", help="attn_implementation")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
+    args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 4 if args.tiny else 32
+    if args.seq_len is None:
+        args.seq_len = 64 if args.tiny else 512
+    return args
+
+
+def build_config(args: argparse.Namespace) -> BertConfig:
+    if args.tiny:
+        return BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            vocab_size=1000,
+            num_labels=2,
+            attn_implementation=args.attn,
+        )
+    return BertConfig(num_labels=2, attn_implementation=args.attn)  # BERT-base
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+
+    config = build_config(args)
+    if args.seq_len > config.max_position_embeddings:
+        raise SystemExit(f"--seq-len {args.seq_len} > max positions {config.max_position_embeddings}")
+    model = BertForSequenceClassification(config).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    dataset = PaddedClassification(args.steps * args.batch_size, args.seq_len, config.vocab_size, args.seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+
+    timer = StepTimer(args.timing_file, device)
+    step, loss = 0, None
+    try:
+        while step < args.steps:
+            for batch in loader:
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                with autocast:
+                    loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                timer.step_end(step)
+                if step >= args.steps:
+                    break
+    finally:
+        timer.close()
+    if loss is not None:
+        print(f"trained {step} steps, last loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Finding the model(s) a script trains, without the user telling us.
+
+A trained model is a root ``nn.Module`` (not a child of another module) that owns parameters some
+optimizer steps. We learn the optimizers from the global optimizer-step hooks; the roots are found once,
+at the first optimizer step, by scanning the live modules (``gc``), because nothing in PyTorch links a
+parameter back to the module that owns it. Well-known wrappers (DDP, ``torch.compile``) are unwrapped so
+names read as the user wrote them (``bert.encoder.layer.3``).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memdoctor.trace import ModelInfo
+
+
+@dataclass
+class DiscoveredModel:
+    info: ModelInfo
+    modules: list[nn.Module]  # aligned with info.names
+    param_owner: dict[int, int] = field(default_factory=dict)  # id(param) -> module index
+    trainable_self_bytes: list[int] = field(default_factory=list)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def find_trained_roots(param_ids: set[int]) -> list[nn.Module]:
+    """Root modules owning any of ``param_ids``, biggest share first."""
+    # type() rather than isinstance(): some objects' __class__ is a deprecation-warning property.
+    modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+    child_ids = {id(c) for m in modules for c in m.children()}
+    roots = [_unwrap(m) for m in modules if id(m) not in child_ids]
+    scored = []
+    seen: set[int] = set()
+    for root in roots:
+        if id(root) in seen:
+            continue
+        seen.add(id(root))
+        owned = sum(1 for p in root.parameters() if id(p) in param_ids)
+        if owned:
+            scored.append((owned, root))
+    scored.sort(key=lambda pair: -pair[0])
+    return _drop_covered([r for _, r in scored], param_ids)
+
+
+def _drop_covered(roots: list[nn.Module], param_ids: set[int]) -> list[nn.Module]:
+    """Keep roots until every optimised parameter has an owner (a wrapper and its model overlap)."""
+    kept: list[nn.Module] = []
+    covered: set[int] = set()
+    for root in roots:
+        ids = {id(p) for p in root.parameters() if id(p) in param_ids}
+        if ids - covered:
+            kept.append(root)
+            covered |= ids
+    return kept
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    for attr in ("_orig_mod", "module"):  # torch.compile's OptimizedModule; DDP / DataParallel
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module) and type(module).__name__ in (
+            "OptimizedModule",
+            "DistributedDataParallel",
+            "DataParallel",
+        ):
+            return _unwrap(inner)
+    return module
+
+
+def describe_model(index: int, root: nn.Module, optimizers: list[torch.optim.Optimizer]) -> DiscoveredModel:
+    """The module table of one model: names, types, parents, parameter bytes (shared storages once)."""
+    names: list[str] = []
+    mods: list[nn.Module] = []
+    pos: dict[int, int] = {}
+    parents: list[int] = []
+    for name, mod in root.named_modules(remove_duplicate=True):
+        pos[id(mod)] = len(mods)
+        names.append(name)
+        mods.append(mod)
+    parents = [-1] * len(mods)
+    for i, mod in enumerate(mods):
+        for child in mod.children():
+            j = pos.get(id(child))
+            if j is not None and parents[j] == -1 and j != 0:
+                parents[j] = i
+    seen: set[int] = set()
+    owner: dict[int, int] = {}
+    pbytes, pcount, tbytes = [0] * len(mods), [0] * len(mods), [0] * len(mods)
+    for i, mod in enumerate(mods):
+        for p in mod.parameters(recurse=False):
+            key = storage_key(p)
+            owner.setdefault(id(p), i)
+            if key in seen:
+                continue
+            seen.add(key)
+            nbytes = p.numel() * p.element_size()
+            pbytes[i] += nbytes
+            pcount[i] += p.numel()
+            if p.requires_grad:
+                tbytes[i] += nbytes
+    info = ModelInfo(
+        index=index,
+        cls=type(root).__name__,
+        names=names,
+        types=[type(m).__name__ for m in mods],
+        parents=parents,
+        param_bytes=pbytes,
+        param_counts=pcount,
+        trainable_param_bytes=tbytes,
+        optimizers=[_describe_optimizer(o, owner) for o in optimizers],
+    )
+    return DiscoveredModel(info=info, modules=mods, param_owner=owner, trainable_self_bytes=tbytes)
+
+
+def _describe_optimizer(opt: torch.optim.Optimizer, owner: dict[int, int]) -> dict[str, Any]:
+    params = optimizer_params(opt)
+    return {
+        "class": type(opt).__name__,
+        "param_count": sum(p.numel() for p in params),
+        "param_tensors": len(params),
+        "param_groups": len(opt.param_groups),
+        "params_in_model": sum(1 for p in params if id(p) in owner),
+    }
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage: views and aliases share it, so it is counted once."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return id(t)
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return t.numel() * t.element_size()

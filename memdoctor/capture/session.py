@@ -1,0 +1,540 @@
+"""The profiling session: hooks that turn a running training script into step records.
+
+What it installs, all through PyTorch's own public hook APIs, and removes again on ``stop()``:
+
+* global module forward pre/post hooks (``register_module_forward_pre_hook``): the module stack, the
+  forward time of every module, and per-call tensor hooks on inputs and outputs that mark the start and
+  end of each module's backward (tensor hooks rather than ``register_full_backward_hook``, which wraps
+  module outputs and breaks modules that work in place, such as ``ReLU(inplace=True)``);
+* a global saved-tensors hook (``torch.autograd.graph.saved_tensors_hooks``): every tensor autograd keeps
+  for backward, attributed to the innermost module running, each storage counted once, parameters
+  excluded; a weak reference on the storage tells when it is freed;
+* global optimizer step pre/post hooks: a training step is detected without the user's help, gradients
+  and optimizer state are measured and mapped to the modules that own the parameters.
+
+Every hook only appends a sample (a time marker plus the running byte counters) to a list; CUDA events
+are resolved and the step record is built once per step, so no hook synchronises with the GPU.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from memdoctor.capture.discovery import (
+    DiscoveredModel,
+    describe_model,
+    find_trained_roots,
+    optimizer_params,
+    storage_key,
+    storage_nbytes,
+)
+from memdoctor.capture.stepbuild import Sample, StepData, build_step
+from memdoctor.device import Device, default_device
+from memdoctor.trace import StepRecord
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+class _Frame:
+    """One module call on the forward stack."""
+
+    __slots__ = ("active", "input_ptrs", "input_saved", "key", "sample", "saved_at_pre")
+
+    def __init__(
+        self, key: int, sample: int, saved_at_pre: int, input_ptrs: frozenset[int], active: bool = True
+    ) -> None:
+        self.key, self.sample, self.saved_at_pre = key, sample, saved_at_pre
+        self.input_ptrs, self.input_saved, self.active = input_ptrs, 0, active
+
+
+_NO_PTRS: frozenset[int] = frozenset()
+
+
+class ProfileSession:
+    """Profile a training loop in this process.
+
+    ``with ProfileSession(steps=5) as s: train()`` records ``warmup + steps`` optimizer steps; step
+    records go to ``sink`` as they complete, and ``on_done`` is called once the last requested step is
+    recorded (the supervised runner stops the script there).
+    """
+
+    def __init__(
+        self,
+        *,
+        steps: int = 5,
+        warmup: int = 1,
+        sink: Sink | None = None,
+        device: Device | None = None,
+        on_done: Callable[[], None] | None = None,
+        time_depth: int | None = None,
+        timed_calls_budget: int = 96,
+    ) -> None:
+        self.steps = steps
+        self.warmup = warmup
+        self.sink: Sink = sink or (lambda rec: None)
+        self.device = device or default_device()
+        self.on_done = on_done or self.stop
+        # Modules called deeper than time_depth keep their memory accounting but get no timing sample
+        # (a CUDA event costs ~14 us of host time); None picks the depth after the first step so that
+        # at most timed_calls_budget module calls a forward are timed.
+        self.time_depth = time_depth
+        self._auto_depth = time_depth is None
+        self.timed_calls_budget = timed_calls_budget
+        self._calls_at_depth: dict[int, int] = {}
+        self._pending: list[tuple[object, int, bool]] = []
+        self.models: list[DiscoveredModel] = []
+        self.records: list[StepRecord] = []
+        self._index: dict[int, tuple[int, int]] = {}
+        self._known_opts: set[int] = set()
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._handles: list[Any] = []
+        self._saved_ctx: Any = None
+        self._param_ptrs: set[int] = set()
+        self._roots_seen: set[int] = set()
+        self._self_trainable: dict[int, int] = {}
+        self._stack: list[_Frame] = []
+        self._saved: dict[int, tuple[int, Any]] = {}
+        self._act_live = 0
+        self._grads_live = 0
+        self._opt_bytes = 0
+        self._params_bytes = 0
+        self._step_index = 0
+        self._done = False
+        self._running = False
+        self._new_step(first=True)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> ProfileSession:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def start(self) -> None:
+        if self._running:
+            return
+        mod = torch.nn.modules.module
+        self._handles = [
+            mod.register_module_forward_pre_hook(self._fwd_pre),
+            mod.register_module_forward_hook(self._fwd_post),
+            register_optimizer_step_pre_hook(self._opt_pre),
+            register_optimizer_step_post_hook(self._opt_post),
+        ]
+        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_ctx.__enter__()
+        self._running = True
+        self._data.t0_unix = time.time()
+        self._sample("step_start", None, 0)
+
+    def stop(self) -> None:
+        """Remove every hook this session installed. Safe to call twice."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._saved_ctx is not None:
+            self._saved_ctx.__exit__(None, None, None)
+            self._saved_ctx = None
+        self._running = False
+
+    def finish(self) -> None:
+        """Record the step in progress if it ended with an optimizer step, then stop."""
+        if self._running and self._data.opt_posts and not self._done:
+            self._finalize_step()
+        self._emit_ready(wait=True)
+        self.stop()
+
+    def flush_partial(self) -> StepRecord | None:
+        """Write what the step in progress measured so far, marked incomplete (the script is dying)."""
+        self._emit_ready(wait=True)
+        if len(self._data.samples) < 2:
+            return None
+        rec = self._emit(complete=False, upto=len(self._data.samples))
+        return rec
+
+    @property
+    def steps_recorded(self) -> int:
+        return len(self.records)
+
+    def where(self) -> dict[str, Any]:
+        """Where the script is now: step, phase, innermost module (for fault reports)."""
+        key = self._stack[-1].key if self._stack else None
+        if key is None and self._data.samples:
+            key = self._data.samples[-1].key
+        loc = self._index.get(key) if key is not None else None
+        name = None
+        if loc is not None:
+            name = self.models[loc[0]].info.names[loc[1]]
+        return {
+            "step": self._step_index,
+            "phase": self._data.phase,
+            "model": loc[0] if loc else None,
+            "module": loc[1] if loc else None,
+            "module_name": name,
+        }
+
+    # ------------------------------------------------------------------------------ module hooks
+    def _fwd_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # Hot path: runs for every module call. Deep (untimed) modules only keep the stack for the
+        # saved-tensor attribution.
+        stack = self._stack
+        depth = len(stack)
+        if depth == 0:
+            if not torch.is_grad_enabled():
+                stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False))
+                return
+            self._root_call(module)
+        elif not stack[-1].active:
+            stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False))
+            return
+        if self._auto_depth and self._step_index == 0:
+            self._calls_at_depth[depth] = self._calls_at_depth.get(depth, 0) + 1
+        if self.time_depth is not None and depth > self.time_depth:
+            stack.append(_Frame(id(module), -1, self._data.saved_total, _NO_PTRS))
+            return
+        stack.append(_Frame(id(module), len(self._data.samples), self._data.saved_total, _input_ptrs(args)))
+        first = _first_grad_tensor(args)
+        if first is not None:
+            first.register_hook(_TensorHook(self, "bwd_post", id(module)))
+        self._sample("fwd_pre", id(module), depth)
+
+    def _fwd_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        stack = self._stack
+        key = id(module)
+        frame = stack.pop() if stack and stack[-1].key == key else self._pop_frame(key)
+        if frame is None or not frame.active:
+            return
+        incl = self._data.saved_total - frame.saved_at_pre
+        acc = self._data.micro.get(key)
+        if acc is None:
+            acc = self._data.micro[key] = [0, 0, 0]
+        acc[0] += incl
+        acc[2] += 1
+        if frame.sample < 0:
+            acc[1] = None  # not measured for untimed modules: their inputs were not recorded
+            return
+        if acc[1] is not None:
+            acc[1] += incl - frame.input_saved
+        out = _first_grad_tensor(output)
+        if out is not None:
+            out.register_hook(_TensorHook(self, "bwd_pre", key))
+        i = self._sample("fwd_post", key, len(stack))
+        self._data.fwd_pairs.append((key, frame.sample, i))
+
+    def _pop_frame(self, key: int) -> _Frame | None:
+        # An exception inside a child skips its post hook: unwind to the frame of this module.
+        while self._stack:
+            frame = self._stack.pop()
+            if frame.key == key:
+                return frame
+        return None
+
+    def _root_call(self, module: nn.Module) -> None:
+        data = self._data
+        if data.opt_posts and data.forwards:
+            self._finalize_step()
+            data = self._data
+        if self._done:
+            return
+        if id(module) not in self._roots_seen:
+            self._roots_seen.add(id(module))
+            self._note_params(module)
+        if data.forwards and data.micro:
+            data.fold_micro()
+        if not data.forwards:
+            self._grads_live = self._count_grads()
+        data.forwards += 1
+
+    def _note_params(self, root: nn.Module) -> None:
+        for p in root.parameters():
+            key = storage_key(p)
+            if key not in self._param_ptrs:
+                self._param_ptrs.add(key)
+                self._params_bytes += storage_nbytes(p)
+
+    def on_backward(self, event: str, key: int) -> None:
+        """Called from tensor hooks, on autograd's thread, as a module's backward starts or ends."""
+        data = self._data
+        i = self._sample(event, key, -1)
+        if event == "bwd_pre":
+            data.bwd_open.setdefault(key, []).append(i)
+            return
+        starts = data.bwd_open.get(key)
+        if starts:
+            data.bwd_pairs.append((key, starts.pop(0), i))
+        if key not in data.grads_done:
+            data.grads_done.add(key)
+            self._grads_live += self._trainable_self(key)
+
+    def _trainable_self(self, key: int) -> int:
+        if key in self._self_trainable:
+            return self._self_trainable[key]
+        return 0
+
+    # ------------------------------------------------------------------------------ saved tensors
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Hot path: every tensor autograd saves. Identity is the storage, so views count once.
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            return t
+        ptr = st.data_ptr()
+        if ptr in self._saved or ptr in self._param_ptrs or not ptr:
+            return t
+        nbytes = st.nbytes()
+        self._saved[ptr] = (nbytes, weakref.ref(st, _Freed(self, ptr, nbytes)))
+        self._act_live += nbytes
+        data = self._data
+        data.saved_total += nbytes
+        stack = self._stack
+        if stack:
+            top = stack[-1].key
+            data.act_self[top] = data.act_self.get(top, 0) + nbytes
+            for frame in stack:
+                if ptr in frame.input_ptrs:
+                    frame.input_saved += nbytes
+        return t
+
+    def on_freed(self, ptr: int, nbytes: int) -> None:
+        entry = self._saved.get(ptr)
+        if entry is not None and entry[0] == nbytes:
+            del self._saved[ptr]
+            self._act_live -= nbytes
+
+    # ------------------------------------------------------------------------------ optimizer hooks
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._done:
+            return
+        if self._pending:
+            self._emit_ready(wait=False)
+        if id(opt) not in self._known_opts:
+            self._discover(opt)
+        self._sample("opt_pre", None, 0)
+        self._data.grad_bytes = self._grads_by_module()
+        self._grads_live = sum(self._data.grad_bytes_total.values())
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._done:
+            return
+        self._data.opt_bytes = self._opt_state_by_module()
+        self._sample("opt_post", None, 0)
+        self._data.opt_posts += 1
+
+    def _discover(self, opt: torch.optim.Optimizer) -> None:
+        self._known_opts.add(id(opt))
+        self._optimizers.append(opt)
+        params = {id(p) for p in optimizer_params(opt)}
+        owned = {pid for m in self.models for pid in m.param_owner}
+        if params <= owned:
+            return
+        for root in find_trained_roots(params - owned):
+            if any(m.modules[0] is root for m in self.models):
+                continue
+            model = describe_model(len(self.models), root, self._optimizers)
+            self.models.append(model)
+            for i, mod in enumerate(model.modules):
+                self._index.setdefault(id(mod), (model.info.index, i))
+                self._self_trainable[id(mod)] = model.trainable_self_bytes[i]
+            self._note_params(root)
+            self.sink(model.info.to_record())
+
+    def _grads_by_module(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        seen: set[int] = set()
+        for model in self.models:
+            for i, mod in enumerate(model.modules):
+                total = 0
+                for p in mod.parameters(recurse=False):
+                    g = p.grad
+                    if g is not None and storage_key(g) not in seen:
+                        seen.add(storage_key(g))
+                        total += storage_nbytes(g)
+                if total:
+                    out[(model.info.index, i)] = total
+        self._data.grad_bytes_total = out
+        return out
+
+    def _count_grads(self) -> int:
+        total = 0
+        for model in self.models:
+            for mod in model.modules:
+                for p in mod.parameters(recurse=False):
+                    if p.grad is not None:
+                        total += storage_nbytes(p.grad)
+        return total
+
+    def _opt_state_by_module(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        seen: set[int] = set()
+        total = 0
+        for opt in self._optimizers:
+            for p, state in opt.state.items():
+                loc = self._owner_of(p)
+                for v in state.values() if isinstance(state, dict) else ():
+                    if isinstance(v, torch.Tensor) and storage_key(v) not in seen:
+                        seen.add(storage_key(v))
+                        n = storage_nbytes(v)
+                        total += n
+                        if loc is not None:
+                            out[loc] = out.get(loc, 0) + n
+        self._opt_bytes = total
+        return out
+
+    def _owner_of(self, p: Any) -> tuple[int, int] | None:
+        for model in self.models:
+            i = model.param_owner.get(id(p))
+            if i is not None:
+                return (model.info.index, i)
+        return None
+
+    # ------------------------------------------------------------------------------ samples and steps
+    def _sample(self, event: str, key: int | None, depth: int) -> int:
+        data = self._data
+        mem = None
+        # The allocator's figures cost ~150 us a read on CUDA: read them at step, root-forward and
+        # optimizer boundaries only; the step's true peak comes from max_memory_allocated.
+        if self.device.has_allocator and depth == 0:
+            mem = self.device.memory()
+        data.samples.append(
+            Sample(
+                self.device.marker(),
+                event,
+                key,
+                depth,
+                self._params_bytes,
+                self._grads_live,
+                self._opt_bytes,
+                self._act_live,
+                mem,
+            )
+        )
+        if event == "bwd_pre" or event == "bwd_post":
+            data.phase = "backward"
+        elif event == "fwd_pre" and depth == 0:
+            data.phase = "forward"
+        elif event == "opt_pre":
+            data.phase = "optimizer"
+        return len(data.samples) - 1
+
+    def _new_step(self, first: bool = False, carry: list[Sample] | None = None) -> None:
+        self._data = StepData(step=self._step_index)
+        if not first:
+            self.device.reset_peak()
+        if carry:
+            self._data.samples.extend(carry)
+
+    def _finalize_step(self) -> None:
+        data = self._data
+        upto = data.last_opt_post_index() + 1
+        carry = data.samples[upto:]
+        self._pending.append((data, upto, True))
+        self._emit_ready(wait=False)
+        if self._auto_depth and self._step_index == 0:
+            self.time_depth = _pick_depth(self._calls_at_depth, self.timed_calls_budget)
+        self._step_index += 1
+        t_start = data.samples[upto - 1] if upto else None
+        self._new_step(carry=[t_start, *carry] if t_start is not None else carry)
+        if self._step_index >= self.warmup + self.steps and not self._done:
+            self._done = True
+            self._emit_ready(wait=True)
+            if self.on_done is not None:
+                self.on_done()
+
+    def _emit_ready(self, *, wait: bool) -> None:
+        """Write finished steps whose GPU work is done; with wait=True, all of them (synchronising).
+
+        Resolving a step's CUDA events waits for the GPU, so it is deferred until the events have
+        completed: the script keeps running ahead of the GPU as it does without memdoctor."""
+        while self._pending:
+            data, upto, complete = self._pending[0]
+            if not wait and not self.device.ready(data.samples[upto - 1].marker):  # type: ignore[attr-defined]
+                return
+            self._pending.pop(0)
+            self._emit(complete=complete, upto=upto, data=data)  # type: ignore[arg-type]
+
+    def _emit(self, *, complete: bool, upto: int, data: StepData | None = None) -> StepRecord:
+        data = data or self._data
+        data.fold_micro()
+        rec = build_step(
+            data,
+            upto=upto,
+            device=self.device,
+            index=self._index,
+            warmup=data.step < self.warmup,
+            complete=complete,
+        )
+        self.records.append(rec)
+        self.sink(rec.to_record())
+        return rec
+
+
+class _TensorHook:
+    """A tensor hook that reports a module's backward start or end to the session."""
+
+    __slots__ = ("event", "key", "session")
+
+    def __init__(self, session: ProfileSession, event: str, key: int) -> None:
+        self.session, self.event, self.key = session, event, key
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.session._running:
+            self.session.on_backward(self.event, self.key)
+
+
+class _Freed:
+    """Weak-reference callback: a saved storage was freed."""
+
+    __slots__ = ("nbytes", "ptr", "session")
+
+    def __init__(self, session: ProfileSession, ptr: int, nbytes: int) -> None:
+        self.session, self.ptr, self.nbytes = session, ptr, nbytes
+
+    def __call__(self, _ref: Any) -> None:
+        self.session.on_freed(self.ptr, self.nbytes)
+
+
+def _pick_depth(calls_at_depth: dict[int, int], budget: int) -> int:
+    """The deepest call depth at which timing every module call stays within budget calls a forward."""
+    total, depth = 0, 0
+    for d in sorted(calls_at_depth):
+        total += calls_at_depth[d]
+        if total > budget and d > 0:
+            break
+        depth = d
+    return depth
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _first_grad_tensor(obj: Any, depth: int = 0) -> torch.Tensor | None:
+    """The first tensor in a module's inputs or outputs that takes part in autograd."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    if depth > 2:
+        return None
+    items: Any = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        found = _first_grad_tensor(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _input_ptrs(args: tuple[Any, ...]) -> frozenset[int]:
+    ptrs = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            try:
+                ptrs.append(a.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+    return frozenset(ptrs)

@@ -1,0 +1,280 @@
+"""Turning one step's raw samples into a ``StepRecord``: phases, peak, per-module columns, timeline.
+
+Runs once per step, after the hooks have done their cheap appends: markers are resolved to
+milliseconds here (one wait for the GPU per step), and everything is derived from the samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from memdoctor.device import Device
+from memdoctor.trace import StepRecord
+
+
+class Sample(NamedTuple):
+    marker: Any
+    event: str
+    key: int | None
+    depth: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    mem: tuple[int, int, int] | None  # allocator (allocated, reserved, max_allocated)
+
+
+@dataclass
+class StepData:
+    """What the hooks gather during one optimizer step."""
+
+    step: int
+    samples: list[Sample] = field(default_factory=list)
+    phase: str = "other"
+    forwards: int = 0
+    opt_posts: int = 0
+    saved_total: int = 0
+    t0_unix: float = field(default_factory=time.time)
+    act_self: dict[int, int] = field(default_factory=dict)
+    act_incl: dict[int, int] = field(default_factory=dict)
+    ckpt_free: dict[int, int | None] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)
+    fwd_pairs: list[tuple[int, int, int]] = field(default_factory=list)
+    bwd_pairs: list[tuple[int, int, int]] = field(default_factory=list)
+    bwd_open: dict[int, list[int]] = field(default_factory=dict)
+    grads_done: set[int] = field(default_factory=set)
+    grad_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    grad_bytes_total: dict[tuple[int, int], int] = field(default_factory=dict)
+    opt_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    # module key -> [inclusive saved bytes, checkpoint-free bytes or None, calls] of the micro-batch
+    # in progress; folded into the step by max (activations) and sum (calls).
+    micro: dict[int, list[Any]] = field(default_factory=dict)
+
+    def fold_micro(self) -> None:
+        """Fold the finished micro-batch into the step: activations are the largest micro-batch's."""
+        for key, (incl, ckpt, calls) in self.micro.items():
+            self.act_incl[key] = max(self.act_incl.get(key, 0), incl)
+            self.calls[key] = self.calls.get(key, 0) + calls
+            if ckpt is None:
+                self.ckpt_free[key] = None
+            elif self.ckpt_free.get(key, 0) is not None:
+                self.ckpt_free[key] = max(self.ckpt_free.get(key) or 0, ckpt)
+        self.micro = {}
+
+    def last_opt_post_index(self) -> int:
+        for i in range(len(self.samples) - 1, -1, -1):
+            if self.samples[i].event == "opt_post":
+                return i
+        return len(self.samples) - 1
+
+
+_EVENT_PHASE = {"fwd_post": "forward", "bwd_pre": "backward", "bwd_post": "backward", "opt_post": "optimizer"}
+
+
+def interval_phases(samples: list[Sample]) -> list[str]:
+    """The phase of the interval that ends at each sample."""
+    phases = []
+    for s in samples:
+        if s.event == "fwd_pre":
+            phases.append("forward" if s.depth > 0 else "other")
+        else:
+            phases.append(_EVENT_PHASE.get(s.event, "other"))
+    return phases
+
+
+def build_step(
+    data: StepData,
+    *,
+    upto: int,
+    device: Device,
+    index: dict[int, tuple[int, int]],
+    warmup: bool,
+    complete: bool,
+) -> StepRecord:
+    samples = data.samples[:upto]
+    markers = [s.marker for s in samples]
+    t_ms = device.resolve_ms(markers)
+    phases = interval_phases(samples)
+    phases_ms = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
+    for i in range(1, len(samples)):
+        phases_ms[phases[i]] += max(0.0, t_ms[i] - t_ms[i - 1])
+    _close_open_backward(data, len(samples) - 1, samples)
+    memory = _peak(samples, t_ms, phases, index, device)
+    record = StepRecord(
+        step=data.step,
+        warmup=warmup,
+        complete=complete,
+        duration_ms=round(t_ms[-1], 4) if t_ms else None,
+        phases_ms={k: round(v, 4) for k, v in phases_ms.items()},
+        micro_batches=max(1, data.forwards),
+        memory=memory,
+        modules=_module_columns(data, t_ms, index),
+        timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
+    )
+    if complete:
+        device.release_markers(markers[:-1])
+    return record
+
+
+def _close_open_backward(data: StepData, last: int, samples: list[Sample]) -> None:
+    """Modules whose inputs take no gradient never report a backward end: close them at the last
+    backward sample of the step."""
+    last_bwd = max((i for i, s in enumerate(samples) if s.event.startswith("bwd")), default=None)
+    if last_bwd is None:
+        return
+    for key, starts in data.bwd_open.items():
+        for start in starts:
+            if start <= last_bwd:
+                data.bwd_pairs.append((key, start, last_bwd))
+        starts.clear()
+
+
+def _accounted(s: Sample) -> int:
+    return s.parameters + s.gradients + s.optimizer_state + s.activations
+
+
+def _peak(
+    samples: list[Sample],
+    t_ms: list[float],
+    phases: list[str],
+    index: dict[int, tuple[int, int]],
+    device: Device,
+) -> dict[str, Any]:
+    # The first sample is the previous step's last (its max_allocated is that step's peak).
+    with_mem = [i for i, s in enumerate(samples) if s.mem is not None and (i > 0 or s.event == "step_start")]
+    if with_mem:
+        peak_bytes = max(samples[i].mem[2] for i in with_mem)  # type: ignore[index]
+        first = next(i for i in with_mem if samples[i].mem[2] == peak_bytes)  # type: ignore[index]
+        prev = max((i for i in with_mem if i < first), default=0)
+        at = max(range(prev, first + 1), key=lambda i: _accounted(samples[i]))
+        source = "allocator"
+    else:
+        at = max(range(len(samples)), key=lambda i: _accounted(samples[i]))
+        peak_bytes = _accounted(samples[at])
+        source = "accounting"
+    s = samples[at]
+    cats: dict[str, int | None] = {
+        "parameters": s.parameters,
+        "gradients": s.gradients,
+        "optimizer_state": s.optimizer_state,
+        "activations": s.activations,
+    }
+    accounted = _accounted(s)
+    cats["other"] = peak_bytes - accounted if source == "allocator" else None
+    loc = index.get(s.key) if s.key is not None else None
+    return {
+        "peak_bytes": int(peak_bytes),
+        "peak_source": source,
+        "peak_t_ms": round(t_ms[at], 4),
+        "peak_phase": phases[at] if s.event != "fwd_pre" else "forward",
+        "peak_model": loc[0] if loc else None,
+        "peak_module": loc[1] if loc else None,
+        "categories_at_peak": cats,
+        "accounted_bytes": int(accounted),
+        "allocator": _allocator(samples, with_mem, device),
+    }
+
+
+def _allocator(samples: list[Sample], with_mem: list[int], device: Device) -> dict[str, int] | None:
+    if not with_mem:
+        return None
+    first, last = samples[with_mem[0]].mem, samples[with_mem[-1]].mem
+    assert first is not None and last is not None
+    out = {
+        "allocated_start": first[0],
+        "allocated_end": last[0],
+        "max_allocated": max(samples[i].mem[2] for i in with_mem),  # type: ignore[index]
+        "reserved_end": last[1],
+    }
+    out.update(device.allocator_counters() or {})
+    return out
+
+
+def _module_columns(
+    data: StepData, t_ms: list[float], index: dict[int, tuple[int, int]]
+) -> dict[int, dict[str, list[Any]]]:
+    sizes: dict[int, int] = {}
+    for model, i in index.values():
+        sizes[model] = max(sizes.get(model, 0), i + 1)
+    cols = {m: _empty_columns(n) for m, n in sizes.items()}
+
+    def put(col: str, loc: tuple[int, int] | None, value: float) -> None:
+        if loc is not None:
+            cols[loc[0]][col][loc[1]] += value
+
+    for key, n in data.act_incl.items():
+        put("activation_bytes", index.get(key), n)
+    for key, n in data.act_self.items():
+        put("activation_self_bytes", index.get(key), n)
+    for key, n in data.ckpt_free.items():
+        loc = index.get(key)
+        if n is None and loc is not None:
+            cols[loc[0]]["checkpoint_free_bytes"][loc[1]] = None
+        else:
+            put("checkpoint_free_bytes", loc, max(0, n or 0))
+    for key, n in data.calls.items():
+        put("calls", index.get(key), n)
+    for loc, n in data.grad_bytes.items():
+        put("grad_bytes", loc, n)
+    for loc, n in data.opt_bytes.items():
+        put("optimizer_state_bytes", loc, n)
+    for key, a, b in data.fwd_pairs:
+        if b < len(t_ms):
+            put("forward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
+    for key, a, b in data.bwd_pairs:
+        if b < len(t_ms):
+            put("backward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
+    timed = {index[k] for k, _, _ in data.fwd_pairs if k in index}
+    for m, c in cols.items():
+        for col in ("forward_ms", "backward_ms"):
+            c[col] = [round(x, 4) if (m, i) in timed else None for i, x in enumerate(c[col])]
+    return cols
+
+
+_INT_COLUMNS = (
+    "activation_bytes",
+    "activation_self_bytes",
+    "checkpoint_free_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+    "calls",
+)
+
+
+def _empty_columns(n: int) -> dict[str, list[Any]]:
+    cols: dict[str, list[Any]] = {c: [0] * n for c in _INT_COLUMNS}
+    cols["forward_ms"] = [0.0] * n
+    cols["backward_ms"] = [0.0] * n
+    return cols
+
+
+def _timeline(
+    samples: list[Sample],
+    t_ms: list[float],
+    phases: list[str],
+    index: dict[int, tuple[int, int]],
+    has_allocator: bool,
+) -> dict[str, list[Any] | None]:
+    locs = [index.get(s.key) if s.key is not None else None for s in samples]
+    tl: dict[str, list[Any] | None] = {
+        "t_ms": [round(t, 4) for t in t_ms],
+        "event": [s.event for s in samples],
+        "phase": phases,
+        "depth": [s.depth for s in samples],
+        "model": [loc[0] if loc else None for loc in locs],
+        "module": [loc[1] if loc else None for loc in locs],
+        "parameters": [s.parameters for s in samples],
+        "gradients": [s.gradients for s in samples],
+        "optimizer_state": [s.optimizer_state for s in samples],
+        "activations": [s.activations for s in samples],
+        "allocated": None,
+        "reserved": None,
+        "max_allocated": None,
+    }
+    if has_allocator:
+        tl["allocated"] = [s.mem[0] if s.mem else None for s in samples]
+        tl["reserved"] = [s.mem[1] if s.mem else None for s in samples]
+        tl["max_allocated"] = [s.mem[2] if s.mem else None for s in samples]
+    return tl

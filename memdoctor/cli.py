@@ -1,0 +1,560 @@
+"""The ``memdoctor`` command line: ``main(argv) -> int``, testable in-process.
+
+Each subcommand is a ``Command`` in the ``COMMANDS`` list: its options (``configure``) and what it does
+(``run``). ``main`` is the only place that catches errors: a ``MemdoctorError`` becomes one line on
+stderr and its exit code; anything else is a bug, reported as such (traceback with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memdoctor import __version__, exitcodes
+from memdoctor.errors import MemdoctorError, OutputError, UsageError
+from memdoctor.outputs import display_path, profile_output_dir, report_output_dir
+from memdoctor.units import format_bytes, parse_size
+
+PROG = "memdoctor"
+_BUG_LINE = "this is a bug in memdoctor; please report it with the trace"
+_ORDER_HINT = (
+    "memdoctor's own options go before the script, or between the script and --; the script's arguments "
+    "follow the script, or the -- when there is one"
+)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help, how to add its options and what it does."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    passes_args_through: bool = False  # everything after its target goes to the user's script
+
+
+# ----------------------------------------------------------------------------------------- entry points
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run memdoctor with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = parse_args(args)
+    except SystemExit as exc:  # argparse: --help, --version, usage errors
+        return _exit_code(exc.code)
+    return _run_guarded(ns)
+
+
+def main_entry() -> None:
+    """The ``memdoctor`` console script."""
+    raise SystemExit(main())
+
+
+def _run_guarded(ns: argparse.Namespace) -> int:
+    debug = bool(getattr(ns, "debug", False)) or os.environ.get("MEMDOCTOR_DEBUG", "") not in ("", "0")
+    try:
+        return int(ns.command_run(ns))
+    except MemdoctorError as exc:
+        if debug:
+            traceback.print_exc()
+        _say(f"error: {_one_line(exc)}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return exitcodes.INTERRUPTED
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        _say(f"internal error: {type(exc).__name__}: {_one_line(exc)}")
+        hint = "" if debug else " (run with --debug or MEMDOCTOR_DEBUG=1 to see the traceback)"
+        print(_BUG_LINE + hint, file=sys.stderr)
+        return exitcodes.INTERNAL_ERROR
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return exitcodes.OK
+    return code if isinstance(code, int) else exitcodes.USAGE_ERROR
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# ----------------------------------------------------------------------------------------- parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        if message.startswith("unrecognized arguments"):
+            message = f"{message}\n({_ORDER_HINT})"
+        super().error(message)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """memdoctor's parser, and each subcommand's parser by name."""
+    parser = _Parser(prog=PROG, description="Profile a PyTorch training script's memory, layer by layer.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also MEMDOCTOR_DEBUG=1)")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    by_name = {}
+    for cmd in COMMANDS:
+        sub = subs.add_parser(cmd.name, help=cmd.help, description=cmd.help, allow_abbrev=False)
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        cmd.configure(sub)
+        sub.set_defaults(command_run=cmd.run)
+        by_name[cmd.name] = sub
+    return parser, by_name
+
+
+def parse_args(args: list[str]) -> argparse.Namespace:
+    """Parse memdoctor's command line; a pass-through command's script arguments are split off first."""
+    parser, subparsers = build_parser()
+    i = next((n for n, tok in enumerate(args) if not tok.startswith("-")), None)
+    cmd = next((c for c in COMMANDS if i is not None and c.name == args[i]), None)
+    if cmd is None or not cmd.passes_args_through:
+        return parser.parse_args(args)
+    assert i is not None
+    split = split_script_args(subparsers[cmd.name], args[i + 1 :])
+    ns = parser.parse_args([*args[: i + 1], *split.own])
+    ns.script, ns.script_args, ns.separated = split.script, split.script_args, split.separated
+    return ns
+
+
+def split_script_args(parser: argparse.ArgumentParser, tokens: list[str]) -> ScriptSplit:
+    """Split ``profile``'s tokens into memdoctor's options, the script (or ``-m MODULE``) and its arguments.
+
+    The first positional token is the script. memdoctor's options come before it, or between it and a
+    ``--``; the script's arguments are everything after that ``--``, or, when no ``--`` follows the
+    script, everything after the script. A ``--`` before the script ends memdoctor's options: the next
+    token is the script and the rest is passed as is. ``-m MODULE`` stands where the script would.
+    """
+    own: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            rest = tokens[i + 1 :]
+            return ScriptSplit(own, (rest[0] if rest else None), rest[1:], separated=True)
+        if tok == "-m" or (tok.startswith("-m") and not tok.startswith("--")):
+            n = 2 if tok == "-m" else 1
+            return _after_target([*own, *tokens[i : i + n]], None, tokens[i + n :])
+        if not tok.startswith("-") or tok == "-":
+            return _after_target(own, tok, tokens[i + 1 :])
+        own.append(tok)
+        if _takes_value(parser, tok) and i + 1 < len(tokens):
+            own.append(tokens[i + 1])
+            i += 1
+        i += 1
+    return ScriptSplit(own, None, [], separated=False)
+
+
+@dataclass(frozen=True)
+class ScriptSplit:
+    own: list[str]  # memdoctor's options (with -m MODULE)
+    script: str | None
+    script_args: list[str]
+    separated: bool  # a -- separated memdoctor's options from the script's arguments
+
+
+def _after_target(own: list[str], script: str | None, rest: list[str]) -> ScriptSplit:
+    if "--" not in rest:
+        return ScriptSplit(own, script, rest, separated=False)
+    j = rest.index("--")
+    return ScriptSplit([*own, *rest[:j]], script, rest[j + 1 :], separated=True)
+
+
+def _takes_value(parser: argparse.ArgumentParser, tok: str) -> bool:
+    action = parser._option_string_actions.get(tok)  # argparse keeps no public lookup
+    return action is not None and action.nargs != 0
+
+
+def _arg_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Turn a converter that raises ``UsageError``/``ValueError`` into an argparse type (exit 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except (UsageError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def count(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return count
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------- profile
+
+_PROFILE_USAGE = f"{PROG} profile [options] (SCRIPT | -m MODULE) [--] [SCRIPT ARGS ...]"
+_PROFILE_EPILOG = f"""\
+examples:
+  {PROG} profile train.py --steps 5 -- --batch-size 32 --lr 3e-5
+  {PROG} profile --budget 8GiB -o bert-report train.py --batch-size 32
+  {PROG} profile -m mypackage.train --epochs 1
+
+memdoctor's own options go before the script, or between the script and --.
+The script's arguments follow the script, or the -- when there is one.
+
+exit codes:
+{exitcodes.describe()}
+"""
+
+
+def configure_profile(p: argparse.ArgumentParser) -> None:
+    p.usage = _PROFILE_USAGE
+    p.epilog = _PROFILE_EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script, run as `python SCRIPT`")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module instead, as `python -m MODULE`")
+    p.add_argument(
+        "--steps",
+        type=_arg_type(_count(1)),
+        default=5,
+        metavar="N",
+        help="optimizer steps to profile (default: 5)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_arg_type(_count(0)),
+        default=1,
+        metavar="N",
+        help="steps to run first, left out of the headline figures (default: 1)",
+    )
+    p.add_argument(
+        "--budget",
+        type=_arg_type(parse_size),
+        metavar="SIZE",
+        help="emulate a GPU with SIZE memory (e.g. 8GiB): caps the process on a larger GPU",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="output folder (default: ./memdoctor-report, or the first free memdoctor-report-N)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into an existing, non-empty output folder (only memdoctor's own files are overwritten; "
+        "nothing is deleted)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_arg_type(_seconds),
+        metavar="SECONDS",
+        help="stop the script after SECONDS and keep what was measured (exit code 124)",
+    )
+
+
+def profile_command(ns: argparse.Namespace) -> int:
+    if ns.module is not None:
+        check_module_name(ns.module)
+    elif ns.script is not None:
+        check_script(Path(ns.script))
+    else:
+        raise UsageError(f"give the script to profile ({PROG} profile train.py) or a module with -m MODULE")
+    _warn_about_passed_options(ns)
+    out = profile_output_dir(ns.output, force=ns.force)
+    if out.note:
+        _say(out.note)
+    supervisor = importlib.import_module("memdoctor.runner.supervisor")
+    request = supervisor.ProfileRequest(
+        script=None if ns.module is not None else ns.script,
+        module=ns.module,
+        args=list(ns.script_args),
+        out_dir=out.path,
+        warmup=ns.warmup,
+        steps=ns.steps,
+        budget_bytes=ns.budget,
+        timeout_s=ns.timeout,
+    )
+    target = f"-m {ns.module}" if ns.module is not None else ns.script
+    _say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
+    result = supervisor.run_profile(request)
+    trace = _load_quietly(result.trace_path)
+    print_summary(result.summary, trace, status=result.status, message=result.message)
+    print_written(
+        getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
+    )
+    return int(result.exit_code)
+
+
+_MEMDOCTOR_PROFILE_OPTIONS = ("--steps", "--warmup", "--budget", "-o", "--output", "--force", "--timeout")
+
+
+def _warn_about_passed_options(ns: argparse.Namespace) -> None:
+    """``memdoctor profile train.py --steps 3`` gives --steps to the script; say so, it may be a slip."""
+    if ns.separated:
+        return
+    passed = [a for a in ns.script_args if a.split("=", 1)[0] in _MEMDOCTOR_PROFILE_OPTIONS]
+    if passed:
+        _say(
+            f"note: {', '.join(passed)} after the script goes to the script; to give it to memdoctor, put "
+            f"it before the script, or end memdoctor's options with -- (profile train.py --steps 3 -- ARGS)"
+        )
+
+
+def _load_quietly(path: Path | None) -> Any:
+    """The written trace, for the terminal's layer table; ``None`` when it cannot be read."""
+    from memdoctor.trace import load_trace
+
+    try:
+        return load_trace(path) if path is not None else None
+    except MemdoctorError:
+        return None
+
+
+_EXECUTABLE_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xca\xfe\xba\xbe")
+_PYTHON_BINARY_SUFFIXES = (".pyc", ".pyz", ".zip")
+
+
+def check_script(path: Path) -> None:
+    """Refuse, with a clear message, what ``python SCRIPT`` could not run as a training script."""
+    if not path.exists():
+        raise UsageError(f"{path}: no such file")
+    if path.is_dir():
+        raise UsageError(f"{path}: is a folder, not a script; give the training script, or use -m MODULE")
+    if not path.is_file():
+        raise UsageError(f"{path}: not a regular file")
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8192)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    if head.startswith(_EXECUTABLE_MAGIC):
+        raise UsageError(f"{path}: is a compiled program, not a Python script; memdoctor runs Python scripts")
+    if b"\0" in head and path.suffix not in _PYTHON_BINARY_SUFFIXES:
+        raise UsageError(f"{path}: looks like a binary file, not a Python script")
+    first = head.split(b"\n", 1)[0]
+    if first.startswith(b"#!") and b"python" not in first:
+        interpreter = first[2:].decode(errors="replace").strip()
+        raise UsageError(
+            f"{path}: is a script for {interpreter!r}, not Python; profile the Python script it runs instead"
+        )
+
+
+def check_module_name(name: str) -> None:
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise UsageError(f"{name!r} is not a module name; -m takes a dotted name such as mypackage.train")
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def configure_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", type=Path, metavar="TRACE", help="a trace.jsonl.gz, or the folder holding one")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="output folder (default: beside the trace, or <trace folder>/rerender-N when a report is "
+        "already there)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite report.html and summary.json in the output folder (nothing else is touched)",
+    )
+    p.epilog = "exit codes: 0 written; 2 usage or output folder error; 3 unreadable trace"
+
+
+def report_command(ns: argparse.Namespace) -> int:
+    from memdoctor.trace import TRACE_FILENAME, load_trace
+
+    path: Path = ns.trace
+    if path.is_dir() and (path / TRACE_FILENAME).is_file():
+        path = path / TRACE_FILENAME
+    trace = load_trace(path)
+    out = report_output_dir(path, ns.output, force=ns.force)
+    if out.note:
+        _say(out.note)
+    report = importlib.import_module("memdoctor.report")
+    try:
+        written = report.write_report(trace, out.path)
+    except OSError as exc:
+        raise OutputError(f"{out.path}: cannot write the report ({exc.strerror or exc})") from None
+    summary = importlib.import_module("memdoctor.analysis.summary").build_summary(trace)
+    print_summary(summary, trace, status=summary.get("status"), message=(trace.end or {}).get("message"))
+    print_written(list(written.values()))
+    return exitcodes.OK
+
+
+# ----------------------------------------------------------------------------------------- terminal output
+
+_TOP_LAYERS = 5
+
+
+def print_summary(
+    summary: dict[str, Any] | None, trace: Any = None, *, status: str | None, message: str | None
+) -> None:
+    """A short table of the run (from ``summary.json``'s data) and its biggest layers, on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    for key, value in _summary_rows(summary or {}, status, message):
+        table.add_row(f"[bold]{key}[/bold]", value)
+    console.print(table)
+    layers = biggest_layers(summary or {}, trace, _TOP_LAYERS)
+    if layers:
+        console.print(_layers_table(layers, Table))
+
+
+def _summary_rows(summary: dict[str, Any], status: str | None, message: str | None) -> list[tuple[str, str]]:
+    from rich.markup import escape
+
+    device = summary.get("device") or {}
+    rows = []
+    if device:
+        rows.append(("device", escape(_device_text(device))))
+    if "steps_profiled" in summary:
+        rows.append(("steps profiled", str(summary["steps_profiled"])))
+    if summary.get("peak_memory_bytes") is not None:
+        rows.append(("peak memory", _peak_text(summary)))
+    categories = summary.get("categories") or {}
+    if categories:
+        parts = [
+            f"{name.replace('_', ' ')} {format_bytes(v)}" for name, v in categories.items() if v is not None
+        ]
+        rows.append(("at the peak", ", ".join(parts)))
+    status_text = status or summary.get("status") or "unknown"
+    rows.append(("status", escape(f"{status_text}: {message}" if message else status_text)))
+    if summary.get("headline"):
+        rows.append(("verdict", escape(str(summary["headline"]))))
+    return rows
+
+
+def _device_text(device: dict[str, Any]) -> str:
+    name = device.get("name") or device.get("kind") or "unknown"
+    text = (
+        f"{name}, {format_bytes(device['total_memory_bytes'])}" if device.get("total_memory_bytes") else name
+    )
+    if device.get("memory_cap_bytes"):
+        text += f" (capped to {format_bytes(device['memory_cap_bytes'])} by --budget)"
+    return text
+
+
+def _peak_text(summary: dict[str, Any]) -> str:
+    """``1.20 GiB of 8.00 GiB budget (15%)``; the limit is the budget, the cap, or a GPU's memory."""
+    peak, device = summary["peak_memory_bytes"], summary.get("device") or {}
+    limits = [
+        (summary.get("budget_bytes"), "budget"),
+        (device.get("memory_cap_bytes"), "cap"),
+        (device.get("total_memory_bytes") if device.get("kind") == "cuda" else None, "on the GPU"),
+    ]
+    limit, label = next(((n, label) for n, label in limits if n), (None, ""))
+    if not limit:
+        return format_bytes(peak)
+    return f"{format_bytes(peak)} of {format_bytes(limit)} {label} ({100 * peak / limit:.0f}%)"
+
+
+def biggest_layers(summary: dict[str, Any], trace: Any, n: int) -> list[dict[str, Any]]:
+    """The ``n`` layers holding the most activation bytes (submodules included).
+
+    With the trace, the candidates are the layers the report's bar chart shows (the model opened down
+    to its repeated blocks: ``encoder.layer.0`` ... rather than ``bert`` or single ``Linear`` layers);
+    without it, every module of the summary except the roots.
+    """
+    rows = {row.get("name"): row for row in summary.get("layers") or []}
+    candidates = [row for row in rows.values() if row.get("depth", 1) and row.get("name")]
+    if trace is not None and trace.models:
+        analysis = importlib.import_module("memdoctor.analysis.summary")
+        bars = analysis.top_layers(trace, analysis.peak_step(trace), limit=len(rows) + 1)
+        candidates = [_bar_row(bar, rows.get(bar["name"], {})) for bar in bars if not bar.get("own")]
+    candidates = [row for row in candidates if (row.get("activation_bytes") or 0) > 0]
+    return sorted(candidates, key=lambda row: -(row.get("activation_bytes") or 0))[:n]
+
+
+def _bar_row(bar: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **row,
+        "name": bar["name"],
+        "type": bar.get("type"),
+        "activation_bytes": bar.get("activations"),
+        "param_bytes": bar.get("parameters"),
+    }
+
+
+def _layers_table(layers: list[dict[str, Any]], table_cls: Any) -> Any:
+    from rich import box
+    from rich.markup import escape
+
+    longest = max(len(str(layer.get("name"))) for layer in layers)
+    table = table_cls(
+        title="biggest layers by activation memory",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    # Names wrap, never get cut: they are what the user acts on; the type column gives way first.
+    table.add_column("layer", overflow="fold", min_width=min(longest, 40))
+    table.add_column("type", overflow="ellipsis", max_width=14)
+    for col in ("activations", "parameters", "fwd / bwd ms"):
+        table.add_column(col, justify="right")
+    for layer in layers:
+        table.add_row(
+            escape(str(layer.get("name"))),
+            escape(str(layer.get("type") or "")),
+            format_bytes(layer.get("activation_bytes")),
+            format_bytes(layer.get("param_bytes")),
+            f"{_ms(layer.get('forward_ms'))} / {_ms(layer.get('backward_ms'))}",
+        )
+    return table
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def print_written(paths: Sequence[Path | str | None]) -> None:
+    for path in paths:
+        if path is not None and Path(path).exists():
+            print(f"Wrote {path}")
+
+
+# ----------------------------------------------------------------------------------------- the list
+
+COMMANDS: list[Command] = [
+    Command(
+        "profile",
+        "run a training script for a few steps and write its per-layer memory report",
+        configure_profile,
+        profile_command,
+        passes_args_through=True,
+    ),
+    Command(
+        "report", "re-render report.html and summary.json from a trace file", configure_report, report_command
+    ),
+]

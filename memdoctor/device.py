@@ -1,0 +1,202 @@
+"""Every touch of CUDA goes through here, so the rest of memdoctor runs and is tested on a CPU.
+
+A ``Device`` gives the profiler three things: time markers (a wall clock on CPU, CUDA events on a GPU,
+resolved to milliseconds once per step so no hook ever synchronises), the caching allocator's figures
+(CUDA only), and facts about the card. ``FakeDevice`` stands in for a GPU in tests.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import torch
+
+
+class Device:
+    """The CPU: wall-clock markers, no allocator."""
+
+    kind = "cpu"
+    has_allocator = False
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "cpu",
+            "name": platform.processor() or platform.machine() or "cpu",
+            "total_memory_bytes": _host_memory_bytes(),
+            "capability": None,
+            "memory_cap_bytes": None,
+        }
+
+    def not_measured(self) -> list[str]:
+        return [
+            "CUDA allocator figures (allocated, reserved, fragmentation): no CUDA device; "
+            "memory is tensor accounting",
+            "GPU kernel times: no CUDA device; times are host wall clock",
+        ]
+
+    def marker(self) -> Any:
+        return time.perf_counter()
+
+    def resolve_ms(self, markers: list[Any]) -> list[float]:
+        """Milliseconds of each marker since the first one."""
+        if not markers:
+            return []
+        t0 = markers[0]
+        return [(m - t0) * 1000.0 for m in markers]
+
+    def ready(self, marker: Any) -> bool:
+        """Whether a marker's time can be read without waiting."""
+        return True
+
+    def release_markers(self, markers: list[Any]) -> None:
+        """Give markers back to the pool once resolved (CUDA events are reused)."""
+
+    def memory(self) -> tuple[int, int, int] | None:
+        """(allocated, reserved, max_allocated) from the caching allocator, or None."""
+        return None
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement (once per step)."""
+
+    def allocator_counters(self) -> dict[str, int] | None:
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for queued device work."""
+
+    def apply_cap(self, budget_bytes: int) -> int | None:
+        """Cap this process's device memory to emulate a smaller card; returns the cap applied."""
+        return None
+
+
+class CudaDevice(Device):
+    """A CUDA GPU: events for time, the caching allocator for memory."""
+
+    kind = "cuda"
+    has_allocator = True
+
+    def __init__(self, index: int | None = None) -> None:
+        self.index = torch.cuda.current_device() if index is None else index
+        self._pool: list[Any] = []
+        self._cap: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        props = torch.cuda.get_device_properties(self.index)
+        return {
+            "kind": "cuda",
+            "name": props.name,
+            "index": self.index,
+            "total_memory_bytes": int(props.total_memory),
+            "capability": [props.major, props.minor],
+            "memory_cap_bytes": self._cap,
+            "bf16_supported": bool(torch.cuda.is_bf16_supported()),
+            "torch_cuda": torch.version.cuda,
+        }
+
+    def not_measured(self) -> list[str]:
+        return []
+
+    def marker(self) -> Any:
+        ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def resolve_ms(self, markers: list[Any]) -> list[float]:
+        if not markers:
+            return []
+        markers[-1].synchronize()
+        t0 = markers[0]
+        return [0.0] + [t0.elapsed_time(m) for m in markers[1:]]
+
+    def ready(self, marker: Any) -> bool:
+        return bool(marker.query())
+
+    def release_markers(self, markers: list[Any]) -> None:
+        self._pool.extend(markers)
+
+    def memory(self) -> tuple[int, int, int] | None:
+        stats = torch.cuda.memory_stats(self.index)
+        return (
+            int(stats.get("allocated_bytes.all.current", 0)),
+            int(stats.get("reserved_bytes.all.current", 0)),
+            int(stats.get("allocated_bytes.all.peak", 0)),
+        )
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def allocator_counters(self) -> dict[str, int] | None:
+        stats = torch.cuda.memory_stats(self.index)
+        return {
+            "max_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
+            "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "num_ooms": int(stats.get("num_ooms", 0)),
+        }
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def apply_cap(self, budget_bytes: int) -> int | None:
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        if budget_bytes >= total:
+            return None
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, self.index)
+        self._cap = budget_bytes
+        return budget_bytes
+
+
+class FakeDevice(Device):
+    """A GPU stand-in for tests: a settable allocator and a manual clock."""
+
+    kind = "fake"
+    has_allocator = True
+
+    def __init__(self, total: int = 8 * 2**30) -> None:
+        self.total = total
+        self.allocated = 0
+        self.reserved = 0
+        self.peak = 0
+        self.now_ms = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "fake",
+            "name": "FakeDevice",
+            "total_memory_bytes": self.total,
+            "capability": None,
+            "memory_cap_bytes": None,
+        }
+
+    def not_measured(self) -> list[str]:
+        return ["everything: this is a fake device for tests"]
+
+    def marker(self) -> Any:
+        return self.now_ms / 1000.0
+
+    def memory(self) -> tuple[int, int, int] | None:
+        self.peak = max(self.peak, self.allocated)
+        return self.allocated, self.reserved, self.peak
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+    def allocator_counters(self) -> dict[str, int] | None:
+        return {"max_reserved": self.reserved, "num_alloc_retries": 0, "num_ooms": 0}
+
+
+def default_device() -> Device:
+    """The device a training script on this machine will use: CUDA when present, else the CPU."""
+    if torch.cuda.is_available():
+        return CudaDevice()
+    return Device()
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,34 @@
+"""The exit codes of ``memdoctor``, one named constant each, documented in the README and ``--help``.
+
+The supervisor maps how the user's script ended onto these; the CLI returns them.
+"""
+
+from __future__ import annotations
+
+OK = 0  # the steps were profiled (or the script finished after at least one step)
+INTERNAL_ERROR = 1  # a bug in memdoctor
+USAGE_ERROR = 2  # bad command line, missing script, output folder refused
+TRACE_ERROR = 3  # a trace file that cannot be read
+SCRIPT_FAILED = 4  # the script raised, called sys.exit with a non-zero code, crashed or was killed
+NO_STEPS = 5  # the script ended without any optimizer step
+OUT_OF_MEMORY = 6  # the script ran out of memory (the trace keeps what was live)
+TIMEOUT = 124  # --timeout expired; the script was stopped
+INTERRUPTED = 130  # Ctrl-C
+
+# (code, meaning) in the order the README and `memdoctor profile --help` list them.
+TABLE: tuple[tuple[int, str], ...] = (
+    (OK, "the steps were profiled (or the script finished after at least one step)"),
+    (INTERNAL_ERROR, "internal error in memdoctor (a bug: please report it with the trace)"),
+    (USAGE_ERROR, "usage error: bad arguments, missing script, output folder refused"),
+    (TRACE_ERROR, "unreadable trace: missing, corrupt, truncated or from a newer memdoctor"),
+    (SCRIPT_FAILED, "the script failed: an exception, a non-zero sys.exit, a crash, or it was killed"),
+    (NO_STEPS, "the script ended without any optimizer step"),
+    (OUT_OF_MEMORY, "the script ran out of memory"),
+    (TIMEOUT, "--timeout expired"),
+    (INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+
+
+def describe() -> str:
+    """The exit-code table as plain text lines, for ``--help`` epilogs."""
+    return "\n".join(f"  {code:>3}  {meaning}" for code, meaning in TABLE)

@@ -1,0 +1,189 @@
+"""Turn a trace into the HTML report and ``summary.json``.
+
+One cached jinja2 environment (autoescape on) fills ``templates/report.html.j2`` from the data the
+analysis returns; plots are inlined as data URIs and the summary is embedded as JSON, so the report is one
+file that opens offline. Nothing here decides policy (overwriting, paths): the caller does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+import memdoctor
+from memdoctor.analysis import summary as an
+from memdoctor.errors import OutputError
+from memdoctor.report import plots
+from memdoctor.trace import CATEGORIES, PHASES, Trace
+from memdoctor.units import format_bytes
+
+REPORT_FILENAME = "report.html"
+SUMMARY_FILENAME = "summary.json"
+TEMPLATE = "report.html.j2"
+
+
+def template_dir() -> Path:
+    """``memdoctor/templates`` in an installed wheel, else the repository's top-level ``templates/``."""
+    installed = Path(memdoctor.__file__).parent / "templates"
+    return installed if installed.is_dir() else Path(memdoctor.__file__).parent.parent / "templates"
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(template_dir()),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(bytes=format_bytes, pct=format_pct, ms=format_ms)
+    return env
+
+
+def format_pct(value: float | None, digits: int = 0) -> str:
+    """``0.62 -> '62%'``; a small non-zero share keeps one significant decimal (``'0.04%'``)."""
+    if value is None:
+        return "n/a"
+    if 0 < abs(value) < 0.01:
+        return f"{100 * value:.2g}%"
+    return f"{100 * value:.{digits}f}%"
+
+
+def format_ms(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.1f} ms"
+
+
+def summary_json(summary: dict[str, Any]) -> str:
+    """``summary.json``'s text: sorted keys, two-space indent, strict JSON."""
+    return json.dumps(summary, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+def embed_json(data: Any) -> Markup:
+    """JSON safe inside ``<script type="application/json">``: no raw ``<``, ``>`` or ``&`` can end it."""
+    text = json.dumps(data, sort_keys=True, allow_nan=False, separators=(",", ":"))
+    text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Markup(text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def render_report(trace: Trace, summary: dict[str, Any] | None = None) -> str:
+    """The whole report as one HTML string (``summary`` is computed when not given)."""
+    summary = summary if summary is not None else an.build_summary(trace)
+    return environment().get_template(TEMPLATE).render(**report_context(trace, summary))
+
+
+def write_report(trace: Trace, out_dir: Path) -> dict[str, Path]:
+    """Write ``report.html`` and ``summary.json`` into ``out_dir`` (each atomically); return their paths."""
+    out_dir = Path(out_dir)
+    summary = an.build_summary(trace)
+    html = render_report(trace, summary)
+    paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
+    atomic_write(paths["summary"], summary_json(summary))
+    atomic_write(paths["report"], html)
+    return paths
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and ``os.replace``, so a reader never sees half a file."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; check the output folder") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+# ----------------------------------------------------------------------------------------- context
+
+
+def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
+    """Everything the template reads: the summary plus tables and plots derived from the trace."""
+    step = an.peak_step(trace)
+    limit, limit_label = an.memory_limit(summary)
+    return {
+        "summary": summary,
+        "summary_json": embed_json(summary),
+        "run": run_info(trace),
+        "limit": limit,
+        "limit_label": limit_label,
+        "categories": category_rows(summary),
+        "layers": an.layer_table(trace, step),
+        "layer_chart": plots.layer_bars(an.top_layers(trace, step)) if step else None,
+        "timeline_chart": _timeline_chart(trace, limit, limit_label),
+        "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
+        "steps": summary["steps"],
+        "phases": _phase_names(summary),
+        "events": _event_rows(trace, summary),
+        "colors": plots.COLORS,
+        "memdoctor_version": memdoctor.__version__,
+    }
+
+
+def run_info(trace: Trace) -> dict[str, Any]:
+    command = trace.header.get("command") or {}
+    created = trace.header.get("created_unix")
+    when = datetime.fromtimestamp(created, tz=timezone.utc) if isinstance(created, (int, float)) else None
+    return {
+        "argv": shlex.join(str(a) for a in command.get("argv") or []),
+        "cwd": command.get("cwd"),
+        "created": when.strftime("%Y-%m-%d %H:%M UTC") if when else None,
+        "host": trace.header.get("host") or {},
+        "settings": trace.settings,
+        "capability": trace.device.get("capability"),
+        "end": trace.end or {},
+        "truncated": trace.truncated,
+    }
+
+
+def category_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per category at the peak: bytes, share of the peak, colour."""
+    peak = summary.get("peak_memory_bytes") or 0
+    cats = summary.get("categories") or {}
+    return [
+        {
+            "key": c,
+            "label": an.CATEGORY_LABELS[c],
+            "bytes": cats.get(c),
+            "share": (cats[c] / peak) if peak and cats.get(c) is not None else None,
+            "color": plots.COLORS[c],
+        }
+        for c in CATEGORIES
+    ]
+
+
+def _timeline_chart(trace: Trace, limit: int | None, label: str) -> str | None:
+    step = an.peak_step(trace)
+    return None if step is None else plots.timeline(an.timeline_series(step), limit, label)
+
+
+def _phase_names(summary: dict[str, Any]) -> list[str]:
+    seen = {p for row in summary["steps"] for p in row["phases_ms"]}
+    return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
+
+
+def _event_rows(trace: Trace, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary's event rows with each event's traceback from the trace added back."""
+    pairs = zip(summary["events"], trace.events, strict=True)
+    return [{**row, "traceback": _traceback(event)} for row, event in pairs]
+
+
+def _traceback(event: dict[str, Any]) -> list[str]:
+    tb = event.get("traceback")
+    return [str(line) for line in tb] if isinstance(tb, list) else []

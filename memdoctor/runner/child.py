@@ -1,0 +1,156 @@
+"""The supervised child: runs the user's script exactly as ``python train.py args`` would, profiled.
+
+Started by the supervisor as ``python -m memdoctor.runner.child`` with its settings in the environment
+variable ``MEMDOCTOR_CHILD`` (removed before the script runs). It sets ``sys.argv``, ``sys.path[0]``
+and ``__main__`` as Python does, installs a ``ProfileSession`` whose records go straight to the partial
+trace file (one flushed gzip member each, so a hard crash keeps every finished step), and stops the
+script with ``os._exit`` once the requested steps are recorded: the script's remaining code (its
+checkpoint saving, its ``finally`` blocks) does not run, so memdoctor never causes writes to the user's
+files beyond what the profiled steps themselves did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import runpy
+import sys
+import time
+import traceback
+from typing import Any
+
+ENV_VAR = "MEMDOCTOR_CHILD"
+EXIT_STOPPED = 0
+
+
+def main() -> int:
+    cfg = json.loads(os.environ.pop(ENV_VAR))
+    import torch
+
+    from memdoctor import __version__
+    from memdoctor.capture.session import ProfileSession
+    from memdoctor.device import default_device
+    from memdoctor.trace import TraceWriter, make_header
+
+    writer = TraceWriter(cfg["trace_path"])
+    device = default_device()
+    cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
+    described = device.describe()
+    described["memory_cap_bytes"] = cap
+    writer.write(
+        make_header(
+            memdoctor_version=__version__,
+            created_unix=time.time(),
+            command=cfg["command"],
+            settings={"warmup": cfg["warmup"], "steps": cfg["steps"], "budget_bytes": cfg.get("budget_bytes")},
+            host={"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
+            device=described,
+            not_measured=device.not_measured(),
+        )
+    )
+
+    def stop() -> None:
+        writer.write(_event("stopped", f"stopped after {session.steps_recorded} steps, as requested", None))
+        writer.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
+
+    session = ProfileSession(steps=cfg["steps"], warmup=cfg["warmup"], sink=writer.write, device=device, on_done=stop)
+    code = _run(cfg, session, writer)
+    writer.close()
+    return code
+
+
+def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
+    _prepare_sys(cfg)
+    session.start()
+    try:
+        if cfg.get("module"):
+            runpy.run_module(cfg["module"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(cfg["script"], run_name="__main__")
+    except SystemExit as exc:
+        where = _close(session)
+        code = _exit_code(exc.code)
+        msg = f"the script called sys.exit({exc.code!r})"
+        writer.write(_event("script_exit", msg, where, exit_code=code))
+        return code
+    except KeyboardInterrupt:
+        where = _close(session)
+        writer.write(_event("interrupted", "interrupted (Ctrl-C)", where))
+        return 130
+    except BaseException as exc:  # the user's script failed: record it, show it, and exit non-zero
+        where = _close(session)
+        kind = "oom" if _is_oom(exc) else "exception"
+        writer.write(_event(kind, _one_line(exc), where, exc=exc))
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        return 1
+    session.finish()
+    writer.write(_event("script_finished", "the script finished", session.where()))
+    return 0
+
+
+def _prepare_sys(cfg: dict[str, Any]) -> None:
+    """Make sys look as ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would."""
+    if cfg.get("module"):
+        sys.argv = [cfg["module"], *cfg["args"]]
+        sys.path[0] = os.getcwd()
+    else:
+        script = os.path.abspath(cfg["script"])
+        sys.argv = [cfg["script"], *cfg["args"]]
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+
+
+def _close(session: Any) -> dict[str, Any]:
+    """Record what the step in progress measured before the fault, and where the script was."""
+    where = session.where()
+    if session._data.opt_posts and session._data.forwards:
+        session.finish()
+    else:
+        session.flush_partial()
+        session.stop()
+    return where
+
+
+def _event(kind: str, message: str, where: dict[str, Any] | None, exc: BaseException | None = None, **extra: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {"type": "event", "kind": kind, "message": message, "t_unix": time.time()}
+    rec.update(where or {})
+    if exc is not None:
+        rec["exception_type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        rec["traceback"] = _user_frames(exc)
+    rec.update(extra)
+    return rec
+
+
+def _user_frames(exc: BaseException, limit: int = 8) -> list[str]:
+    frames = traceback.extract_tb(exc.__traceback__)
+    keep = [f for f in frames if "memdoctor" not in f.filename and "runpy" not in f.filename]
+    return [line.rstrip() for line in traceback.format_list(keep[-limit:])]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    name = type(exc).__name__
+    text = str(exc).lower()
+    return name == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}"[:500]
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

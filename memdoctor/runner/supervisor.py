@@ -1,0 +1,286 @@
+"""The supervisor: runs the profiled script in a child process and always finishes the job.
+
+Whatever happens to the child (it completes, stops after the requested steps, raises, runs out of
+memory, calls ``sys.exit``, segfaults, is killed, or the user presses Ctrl-C), the supervisor reads
+what the child wrote to the partial trace, adds an ``end`` record saying how the run ended, writes the
+final trace atomically, and renders the report and ``summary.json`` from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memdoctor import exitcodes
+from memdoctor.errors import TraceError
+from memdoctor.runner.child import ENV_VAR
+from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, Trace, load_trace, make_header, save_trace
+
+
+@dataclass
+class ProfileRequest:
+    script: str | None
+    module: str | None
+    args: list[str]
+    out_dir: Path
+    warmup: int = 1
+    steps: int = 5
+    budget_bytes: int | None = None
+    timeout_s: float | None = None
+
+
+@dataclass
+class ProfileResult:
+    exit_code: int
+    status: str
+    message: str
+    trace_path: Path | None = None
+    report_path: Path | None = None
+    summary_path: Path | None = None
+    summary: dict[str, Any] | None = None
+    written: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class _ChildOutcome:
+    returncode: int
+    interrupted: bool = False
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+
+def run_profile(req: ProfileRequest) -> ProfileResult:
+    """Profile ``req.script`` (or ``req.module``) and write trace, report and summary to ``req.out_dir``."""
+    trace_path = req.out_dir / TRACE_FILENAME
+    partial = trace_path.with_name(trace_path.name + PARTIAL_SUFFIX)
+    partial.unlink(missing_ok=True)
+    outcome = _run_child(req, partial)
+    trace = _salvage(partial, req)
+    status, code, message = classify(trace, outcome)
+    trace.end = {
+        "status": status,
+        "exit_code": outcome.returncode if outcome.returncode >= 0 else None,
+        "signal": _signal_name(outcome.returncode),
+        "message": message,
+        "steps_recorded": sum(1 for s in trace.steps if s.complete),
+        "duration_s": round(outcome.duration_s, 3),
+        "memdoctor_exit_code": code,
+    }
+    save_trace(trace, trace_path)
+    partial.unlink(missing_ok=True)
+    from memdoctor.report import write_report
+
+    paths = write_report(trace, req.out_dir)
+    summary = _read_json(paths.get("summary"))
+    return ProfileResult(
+        exit_code=code,
+        status=status,
+        message=message,
+        trace_path=trace_path,
+        report_path=paths.get("report"),
+        summary_path=paths.get("summary"),
+        summary=summary,
+        written=[trace_path, *paths.values()],
+    )
+
+
+def child_command() -> list[str]:
+    return [sys.executable, "-m", "memdoctor.runner.child"]
+
+
+def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
+    cfg = {
+        "trace_path": str(partial.resolve()),
+        "script": req.script,
+        "module": req.module,
+        "args": req.args,
+        "warmup": req.warmup,
+        "steps": req.steps,
+        "budget_bytes": req.budget_bytes,
+        "command": {
+            "argv": redact_argv(req.args),
+            "script": req.script,
+            "module": req.module,
+            "cwd": os.getcwd(),
+        },
+    }
+    env = dict(os.environ)
+    env[ENV_VAR] = json.dumps(cfg)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _run_child(req: ProfileRequest, partial: Path) -> _ChildOutcome:
+    start = time.monotonic()
+    proc = subprocess.Popen(child_command(), env=_child_env(req, partial))
+    outcome = _ChildOutcome(returncode=0)
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        # The terminal sends Ctrl-C to the child too; it records what it has and exits. A second
+        # Ctrl-C stops it at once.
+        if outcome.interrupted:
+            proc.kill()
+        outcome.interrupted = True
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        outcome.returncode = _wait(proc, req.timeout_s, outcome)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    outcome.duration_s = time.monotonic() - start
+    return outcome
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float | None, outcome: _ChildOutcome) -> int:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            left = None if deadline is None else max(0.01, deadline - time.monotonic())
+            return proc.wait(timeout=left if left is not None else 3600)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                outcome.timed_out = True
+                return _stop_child(proc)
+
+
+def _stop_child(proc: subprocess.Popen[bytes]) -> int:
+    """Ask the child to stop as Ctrl-C would (so it records what it has), then kill it."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _salvage(partial: Path, req: ProfileRequest) -> Trace:
+    """What the child wrote, up to the last whole record; a bare header if it wrote nothing."""
+    try:
+        return load_trace(partial, salvage=True)
+    except TraceError:
+        header = make_header(
+            memdoctor_version=_version(),
+            created_unix=time.time(),
+            command={"argv": redact_argv(req.args), "script": req.script, "module": req.module, "cwd": os.getcwd()},
+            settings={"warmup": req.warmup, "steps": req.steps, "budget_bytes": req.budget_bytes},
+            host={},
+            device={"kind": "unknown", "name": "unknown (the script died before memdoctor started)"},
+            not_measured=["everything: the script process died before profiling started"],
+        )
+        header.pop("type")
+        return Trace(header=header, truncated=partial.exists())
+
+
+def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
+    """(status, memdoctor exit code, one-line message) for how the run ended."""
+    steps = sum(1 for s in trace.steps if s.complete)
+    last = _terminal_event(trace)
+    kind = last.get("kind") if last else None
+    if outcome.timed_out:
+        return "timeout", exitcodes.TIMEOUT, f"--timeout expired after {steps} complete steps; the script was stopped"
+    if kind == "stopped":
+        return "completed", exitcodes.OK, f"profiled {steps} steps ({trace.settings.get('warmup', 0)} warm-up)"
+    if kind == "interrupted" or outcome.interrupted:
+        return "interrupted", exitcodes.INTERRUPTED, f"interrupted (Ctrl-C) after {steps} complete steps"
+    if kind == "oom":
+        return "oom", exitcodes.OUT_OF_MEMORY, _where_message("ran out of memory", last, steps)
+    if kind == "exception":
+        return "exception", exitcodes.SCRIPT_FAILED, _where_message(f"raised {last['message']}", last, steps)
+    if kind in ("script_finished", "script_exit"):
+        return _ended(kind, last, steps)
+    return _died(outcome.returncode, steps)
+
+
+def _ended(kind: str, last: dict[str, Any], steps: int) -> tuple[str, int, str]:
+    code = last.get("exit_code") or 0
+    how = "finished" if kind == "script_finished" else f"called sys.exit({code})"
+    if code != 0:
+        return "script_exit", exitcodes.SCRIPT_FAILED, f"the script {how} after {steps} complete steps"
+    if steps == 0:
+        return "no_steps", exitcodes.NO_STEPS, f"the script {how} without calling an optimizer step"
+    status = "script_finished" if kind == "script_finished" else "script_exit"
+    return status, exitcodes.OK, f"the script {how} after {steps} complete steps"
+
+
+def _died(returncode: int, steps: int) -> tuple[str, int, str]:
+    if returncode < 0:
+        name = _signal_name(returncode) or f"signal {-returncode}"
+        status = "crashed" if name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT") else "killed"
+        return status, exitcodes.SCRIPT_FAILED, f"the script process died of {name} after {steps} complete steps"
+    return (
+        "crashed",
+        exitcodes.SCRIPT_FAILED,
+        f"the script process exited abruptly (code {returncode}, no Python exception) after {steps} complete steps",
+    )
+
+
+def _where_message(what: str, ev: dict[str, Any], steps: int) -> str:
+    parts = [f"the script {what}"]
+    if ev.get("step") is not None:
+        parts.append(f"at step {ev['step']}")
+    if ev.get("phase") and ev["phase"] != "other":
+        parts.append(f"in {ev['phase']}")
+    if ev.get("module_name"):
+        parts.append(f"of {ev['module_name']}")
+    return " ".join(parts) + f" ({steps} complete steps recorded)"
+
+
+def _terminal_event(trace: Trace) -> dict[str, Any] | None:
+    terminal = {"stopped", "interrupted", "oom", "exception", "script_finished", "script_exit"}
+    for ev in reversed(trace.events):
+        if ev.get("kind") in terminal:
+            return ev
+    return None
+
+
+def _signal_name(returncode: int) -> str | None:
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return None
+
+
+SECRET_FLAGS = ("token", "api-key", "api_key", "apikey", "password", "passwd", "secret", "key")
+
+
+def redact_argv(args: list[str]) -> list[str]:
+    """Command-line values that look like secrets are replaced by ``<redacted>``."""
+    out: list[str] = []
+    redact_next = False
+    for arg in args:
+        if redact_next:
+            out.append("<redacted>")
+            redact_next = False
+            continue
+        flag, eq, _value = arg.partition("=")
+        secret = any(s in flag.lower().lstrip("-") for s in SECRET_FLAGS)
+        if secret and eq:
+            out.append(f"{flag}=<redacted>")
+        elif secret and arg.startswith("-"):
+            out.append(arg)
+            redact_next = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _read_json(path: Path | None) -> dict[str, Any] | None:
+    if path is None or not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _version() -> str:
+    from memdoctor import __version__
+
+    return __version__

@@ -1,0 +1,99 @@
+"""Fixtures shared by every test.
+
+The autouse ``no_leaked_hooks`` fails a test that leaves memdoctor's global state behind: the profiler
+installs global module and optimizer hooks, saved-tensor hooks and threads, and a leak would silently
+change every later test (and, in a user's process, every later step).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+# (module, attribute) of torch's global hook registries; a name the installed torch lacks is skipped.
+_HOOK_REGISTRIES = (
+    ("torch.nn.modules.module", "_global_forward_pre_hooks"),
+    ("torch.nn.modules.module", "_global_forward_hooks"),
+    ("torch.nn.modules.module", "_global_backward_hooks"),
+    ("torch.nn.modules.module", "_global_backward_pre_hooks"),
+    ("torch.optim.optimizer", "_global_optimizer_pre_hooks"),
+    ("torch.optim.optimizer", "_global_optimizer_post_hooks"),
+)
+_THREAD_PREFIX = "memdoctor"
+_THREAD_GRACE_S = 2.0
+
+
+def leaked_hooks() -> list[str]:
+    """Names of torch's global hook registries that are not empty (torch imported only if already used)."""
+    if "torch" not in sys.modules:
+        return []
+    leaks = [f"{mod}.{attr}" for mod, attr, registry in _registries() if registry]
+    if _saved_tensor_hooks_installed():
+        leaks.append("saved-tensor default hooks (torch.autograd.graph.saved_tensors_hooks)")
+    return leaks
+
+
+def _registries() -> Iterator[tuple[str, str, Any]]:
+    for mod, attr in _HOOK_REGISTRIES:
+        module = sys.modules.get(mod)
+        registry = getattr(module, attr, None) if module is not None else None
+        if registry is not None:
+            yield mod, attr, registry
+
+
+def _saved_tensor_hooks_installed() -> bool:
+    autograd = getattr(sys.modules["torch"]._C, "_autograd", None)
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    try:
+        return top(True) is not None
+    except Exception:  # a torch whose signature differs: skip this check
+        return False
+
+
+def _clear_hooks() -> None:
+    """Remove leaked hooks so that one leaking test does not fail every test after it."""
+    for _, _, registry in _registries():
+        registry.clear()
+    autograd = getattr(sys.modules["torch"]._C, "_autograd", None) if "torch" in sys.modules else None
+    while autograd is not None and _saved_tensor_hooks_installed():
+        autograd._pop_saved_tensors_default_hooks()
+
+
+def _memdoctor_threads(before: set[int]) -> list[threading.Thread]:
+    return [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before and not t.daemon and t.name.startswith(_THREAD_PREFIX) and t.is_alive()
+    ]
+
+
+def leaked_threads(before: set[int]) -> list[str]:
+    """Non-daemon ``memdoctor*`` threads started during the test and still alive after a short grace."""
+    deadline = time.monotonic() + _THREAD_GRACE_S
+    for thread in _memdoctor_threads(before):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in _memdoctor_threads(before)]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_hooks() -> Iterator[None]:
+    already = leaked_hooks()
+    if already:
+        _clear_hooks()
+    threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    yield
+    hooks = leaked_hooks()
+    threads = leaked_threads(threads_before)
+    if hooks:
+        _clear_hooks()
+    problems = [f"global torch hooks left installed: {', '.join(hooks)}"] if hooks else []
+    problems += [f"non-daemon threads left running: {', '.join(threads)}"] if threads else []
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
