@@ -44,10 +44,9 @@ def profile_output_dir(explicit: Path | None, *, force: bool, cwd: Path | None =
     if force and (not base.exists() or base.is_dir()):
         return OutputDir(ensure_writable(base))
     path = _first_free(base, f"{DEFAULT_DIRNAME}-")
-    note = (
-        None if path == base else f"{display_path(base)} already exists and is not empty; writing to {display_path(path)}"
-    )
-    return OutputDir(path, note)
+    if path == base:
+        return OutputDir(path)
+    return OutputDir(path, f"{display_path(base)} already exists; writing to {display_path(path)} instead")
 
 
 def report_output_dir(trace_path: Path, explicit: Path | None, *, force: bool) -> OutputDir:
@@ -58,7 +57,9 @@ def report_output_dir(trace_path: Path, explicit: Path | None, *, force: bool) -
     if force or not any((folder / name).exists() for name in REPORT_FILES):
         return OutputDir(ensure_writable(folder))
     path = _first_free(folder / f"{RERENDER_DIRNAME}-1", f"{RERENDER_DIRNAME}-", start=1)
-    return OutputDir(path, f"{display_path(folder)} already has a report; writing to {display_path(path)}")
+    return OutputDir(
+        path, f"{display_path(folder)} already has a report; writing to {display_path(path)} instead"
+    )
 
 
 def is_empty_dir(path: Path) -> bool:

@@ -277,7 +277,7 @@ def test_default_output_picks_a_fresh_folder(
     assert [Path(r.out_dir) for r in supervisor.requests] == [
         tmp_path / "memdoctor-report", tmp_path / "memdoctor-report-1"
     ]  # fmt: skip
-    assert "writing to memdoctor-report-1" in capsys.readouterr().err
+    assert "writing to memdoctor-report-1 instead" in capsys.readouterr().err
     assert (tmp_path / "memdoctor-report" / "report.html").read_text() == "fake"
 
 
@@ -344,6 +344,17 @@ def test_internal_error_is_reported_as_a_bug(
     monkeypatch.setenv("MEMDOCTOR_DEBUG", "1")
     assert main(["profile", "train.py"]) == exitcodes.INTERNAL_ERROR
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_bug_in_the_terminal_table_keeps_the_exit_code(
+    supervisor: FakeSupervisor, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(SUMMARY, "steps_profiled", None)
+    monkeypatch.setitem(SUMMARY, "peak_memory_bytes", "not a number")
+    supervisor.exit_code = exitcodes.OUT_OF_MEMORY
+    assert main(["profile", "train.py"]) == exitcodes.OUT_OF_MEMORY
+    captured = capsys.readouterr()
+    assert "internal error printing the summary" in captured.err and "Wrote " in captured.out
 
 
 def test_memdoctor_error_carries_its_exit_code(

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from memdoctor.capture import history
 from memdoctor.capture.discovery import (
     DiscoveredModel,
     describe_model,
@@ -89,6 +90,11 @@ class ProfileSession:
         self.timed_calls_budget = timed_calls_budget
         self._calls_at_depth: dict[int, int] = {}
         self._pending: list[tuple[object, int, bool]] = []
+        # The allocator's history is recorded for the first and the last profiled step (CUDA only).
+        self._history = (
+            history.HistoryRecorder() if history.available() and self.device.kind == "cuda" else None
+        )
+        self._history_steps = {0, warmup + steps - 1}
         self.models: list[DiscoveredModel] = []
         self.records: list[StepRecord] = []
         self._index: dict[int, tuple[int, int]] = {}
@@ -99,6 +105,8 @@ class ProfileSession:
         self._param_ptrs: set[int] = set()
         self._roots_seen: set[int] = set()
         self._self_trainable: dict[int, int] = {}
+        # (parameter, (model, module index)) of every discovered model, for the per-step scans.
+        self._flat_params: list[tuple[torch.Tensor, tuple[int, int]]] = []
         self._stack: list[_Frame] = []
         self._saved: dict[int, tuple[int, Any]] = {}
         self._act_live = 0
@@ -132,6 +140,7 @@ class ProfileSession:
         self._saved_ctx.__enter__()
         self._running = True
         self._data.t0_unix = time.time()
+        self._start_history()
         self._sample("step_start", None, 0)
 
     def stop(self) -> None:
@@ -154,10 +163,22 @@ class ProfileSession:
     def flush_partial(self) -> StepRecord | None:
         """Write what the step in progress measured so far, marked incomplete (the script is dying)."""
         self._emit_ready(wait=True)
+        self._stop_history(self._data)
+        self._fault_sample()
         if len(self._data.samples) < 2:
             return None
         rec = self._emit(complete=False, upto=len(self._data.samples))
         return rec
+
+    def _fault_sample(self) -> None:
+        """A last sample at the fault: the allocator's high-water mark now, with the tensor accounting
+        of the last sample before the fault (unwinding the exception has freed tensors since)."""
+        samples = self._data.samples
+        if not samples:
+            return
+        last = samples[-1]
+        mem = self.device.memory() if self.device.has_allocator else None
+        samples.append(last._replace(marker=self.device.marker(), event="fault", depth=0, mem=mem))
 
     @property
     def steps_recorded(self) -> int:
@@ -202,7 +223,7 @@ class ProfileSession:
         stack.append(_Frame(id(module), len(self._data.samples), self._data.saved_total, _input_ptrs(args)))
         first = _first_grad_tensor(args)
         if first is not None:
-            first.register_hook(_TensorHook(self, "bwd_post", id(module)))
+            first.register_hook(_TensorHook(self, "bwd_post", id(module), depth))
         self._sample("fwd_pre", id(module), depth)
 
     def _fwd_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -224,9 +245,12 @@ class ProfileSession:
             acc[1] += incl - frame.input_saved
         out = _first_grad_tensor(output)
         if out is not None:
-            out.register_hook(_TensorHook(self, "bwd_pre", key))
+            out.register_hook(_TensorHook(self, "bwd_pre", key, len(stack)))
         i = self._sample("fwd_post", key, len(stack))
         self._data.fwd_pairs.append((key, frame.sample, i))
+        if not stack and self._pending:
+            # The forward's kernels are queued: building the last step's record now overlaps them.
+            self._emit_ready(wait=False)
 
     def _pop_frame(self, key: int) -> _Frame | None:
         # An exception inside a child skips its post hook: unwind to the frame of this module.
@@ -259,10 +283,10 @@ class ProfileSession:
                 self._param_ptrs.add(key)
                 self._params_bytes += storage_nbytes(p)
 
-    def on_backward(self, event: str, key: int) -> None:
+    def on_backward(self, event: str, key: int, depth: int) -> None:
         """Called from tensor hooks, on autograd's thread, as a module's backward starts or ends."""
         data = self._data
-        i = self._sample(event, key, -1)
+        i = self._sample(event, key, depth)
         if event == "bwd_pre":
             data.bwd_open.setdefault(key, []).append(i)
             return
@@ -293,6 +317,7 @@ class ProfileSession:
         self._act_live += nbytes
         data = self._data
         data.saved_total += nbytes
+        data.saved_ptrs.add(ptr)
         stack = self._stack
         if stack:
             top = stack[-1].key
@@ -342,33 +367,26 @@ class ProfileSession:
             for i, mod in enumerate(model.modules):
                 self._index.setdefault(id(mod), (model.info.index, i))
                 self._self_trainable[id(mod)] = model.trainable_self_bytes[i]
+                self._flat_params += [(p, (model.info.index, i)) for p in mod.parameters(recurse=False)]
             self._note_params(root)
             self.sink(model.info.to_record())
 
     def _grads_by_module(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = {}
         seen: set[int] = set()
-        for model in self.models:
-            for i, mod in enumerate(model.modules):
-                total = 0
-                for p in mod.parameters(recurse=False):
-                    g = p.grad
-                    if g is not None and storage_key(g) not in seen:
-                        seen.add(storage_key(g))
-                        total += storage_nbytes(g)
-                if total:
-                    out[(model.info.index, i)] = total
+        for p, loc in self._flat_params:
+            g = p.grad
+            if g is not None:
+                key = storage_key(g)
+                if key not in seen:
+                    seen.add(key)
+                    out[loc] = out.get(loc, 0) + storage_nbytes(g)
         self._data.grad_bytes_total = out
+        self._data.grad_ptrs = seen
         return out
 
     def _count_grads(self) -> int:
-        total = 0
-        for model in self.models:
-            for mod in model.modules:
-                for p in mod.parameters(recurse=False):
-                    if p.grad is not None:
-                        total += storage_nbytes(p.grad)
-        return total
+        return sum(storage_nbytes(p.grad) for p, _ in self._flat_params if p.grad is not None)
 
     def _opt_state_by_module(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = {}
@@ -385,6 +403,7 @@ class ProfileSession:
                         if loc is not None:
                             out[loc] = out.get(loc, 0) + n
         self._opt_bytes = total
+        self._data.opt_ptrs = seen
         return out
 
     def _owner_of(self, p: Any) -> tuple[int, int] | None:
@@ -398,9 +417,10 @@ class ProfileSession:
     def _sample(self, event: str, key: int | None, depth: int) -> int:
         data = self._data
         mem = None
-        # The allocator's figures cost ~150 us a read on CUDA: read them at step, root-forward and
-        # optimizer boundaries only; the step's true peak comes from max_memory_allocated.
-        if self.device.has_allocator and depth == 0:
+        # The allocator's figures cost ~150 us a read on CUDA: read them at step, root-forward,
+        # top-level backward and optimizer boundaries only; the step's true peak comes from
+        # max_memory_allocated.
+        if self.device.has_allocator and (depth == 0 or (depth == 1 and event[0] == "b")):
             mem = self.device.memory()
         data.samples.append(
             Sample(
@@ -427,15 +447,27 @@ class ProfileSession:
         self._data = StepData(step=self._step_index)
         if not first:
             self.device.reset_peak()
+            self._start_history()
         if carry:
             self._data.samples.extend(carry)
+
+    def _start_history(self) -> None:
+        if self._history is None or self._step_index not in self._history_steps:
+            return
+        mem = self.device.memory()
+        self._data.history_baseline = mem[0] if mem else 0
+        self._history.start()
+
+    def _stop_history(self, data: StepData) -> None:
+        if self._history is not None and self._history.active:
+            data.history = self._history.stop()
 
     def _finalize_step(self) -> None:
         data = self._data
         upto = data.last_opt_post_index() + 1
         carry = data.samples[upto:]
+        self._stop_history(data)
         self._pending.append((data, upto, True))
-        self._emit_ready(wait=False)
         if self._auto_depth and self._step_index == 0:
             self.time_depth = _pick_depth(self._calls_at_depth, self.timed_calls_budget)
         self._step_index += 1
@@ -469,6 +501,7 @@ class ProfileSession:
             index=self._index,
             warmup=data.step < self.warmup,
             complete=complete,
+            param_ptrs=self._param_ptrs,
         )
         self.records.append(rec)
         self.sink(rec.to_record())
@@ -478,14 +511,14 @@ class ProfileSession:
 class _TensorHook:
     """A tensor hook that reports a module's backward start or end to the session."""
 
-    __slots__ = ("event", "key", "session")
+    __slots__ = ("depth", "event", "key", "session")
 
-    def __init__(self, session: ProfileSession, event: str, key: int) -> None:
-        self.session, self.event, self.key = session, event, key
+    def __init__(self, session: ProfileSession, event: str, key: int, depth: int) -> None:
+        self.session, self.event, self.key, self.depth = session, event, key, depth
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.session._running:
-            self.session.on_backward(self.event, self.key)
+            self.session.on_backward(self.event, self.key, self.depth)
 
 
 class _Freed:

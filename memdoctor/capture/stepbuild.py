@@ -48,6 +48,11 @@ class StepData:
     grad_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     grad_bytes_total: dict[tuple[int, int], int] = field(default_factory=dict)
     opt_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    saved_ptrs: set[int] = field(default_factory=set)
+    grad_ptrs: set[int] = field(default_factory=set)
+    opt_ptrs: set[int] = field(default_factory=set)
+    history: list[dict[str, Any]] | None = None
+    history_baseline: int = 0
     # module key -> [inclusive saved bytes, checkpoint-free bytes or None, calls] of the micro-batch
     # in progress; folded into the step by max (activations) and sum (calls).
     micro: dict[int, list[Any]] = field(default_factory=dict)
@@ -79,6 +84,8 @@ def interval_phases(samples: list[Sample]) -> list[str]:
     for s in samples:
         if s.event == "fwd_pre":
             phases.append("forward" if s.depth > 0 else "other")
+        elif s.event == "fault":
+            phases.append(phases[-1] if phases else "other")
         else:
             phases.append(_EVENT_PHASE.get(s.event, "other"))
     return phases
@@ -92,6 +99,7 @@ def build_step(
     index: dict[int, tuple[int, int]],
     warmup: bool,
     complete: bool,
+    param_ptrs: set[int] | None = None,
 ) -> StepRecord:
     samples = data.samples[:upto]
     markers = [s.marker for s in samples]
@@ -102,6 +110,8 @@ def build_step(
         phases_ms[phases[i]] += max(0.0, t_ms[i] - t_ms[i - 1])
     _close_open_backward(data, len(samples) - 1, samples)
     memory = _peak(samples, t_ms, phases, index, device)
+    if data.history:
+        memory["peak_ledger"] = _history_ledger(data, samples, param_ptrs)
     record = StepRecord(
         step=data.step,
         warmup=warmup,
@@ -116,6 +126,28 @@ def build_step(
     if complete:
         device.release_markers(markers[:-1])
     return record
+
+
+def _history_ledger(
+    data: StepData, samples: list[Sample], param_ptrs: set[int] | None
+) -> dict[str, Any] | None:
+    from memdoctor.capture.history import ledger_at_peak
+
+    first_fwd = next((s for s in samples if s.event == "fwd_pre" and s.depth == 0), samples[0])
+    baseline_known = {
+        "parameters": samples[-1].parameters,
+        "optimizer_state": samples[0].optimizer_state,
+        "gradients": first_fwd.gradients,
+    }
+    known = {
+        "activations": data.saved_ptrs,
+        "gradients": data.grad_ptrs,
+        "optimizer_state": data.opt_ptrs,
+        "parameters": param_ptrs or set(),
+    }
+    return ledger_at_peak(
+        data.history, baseline=data.history_baseline, baseline_known=baseline_known, known=known
+    )
 
 
 def _close_open_backward(data: StepData, last: int, samples: list[Sample]) -> None:

@@ -43,8 +43,16 @@ def main() -> int:
             memdoctor_version=__version__,
             created_unix=time.time(),
             command=cfg["command"],
-            settings={"warmup": cfg["warmup"], "steps": cfg["steps"], "budget_bytes": cfg.get("budget_bytes")},
-            host={"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
+            settings={
+                "warmup": cfg["warmup"],
+                "steps": cfg["steps"],
+                "budget_bytes": cfg.get("budget_bytes"),
+            },
+            host={
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "platform": platform.platform(),
+            },
             device=described,
             not_measured=device.not_measured(),
         )
@@ -57,7 +65,9 @@ def main() -> int:
         sys.stderr.flush()
         os._exit(EXIT_STOPPED)
 
-    session = ProfileSession(steps=cfg["steps"], warmup=cfg["warmup"], sink=writer.write, device=device, on_done=stop)
+    session = ProfileSession(
+        steps=cfg["steps"], warmup=cfg["warmup"], sink=writer.write, device=device, on_done=stop
+    )
     code = _run(cfg, session, writer)
     writer.close()
     return code
@@ -114,7 +124,9 @@ def _close(session: Any) -> dict[str, Any]:
     return where
 
 
-def _event(kind: str, message: str, where: dict[str, Any] | None, exc: BaseException | None = None, **extra: Any) -> dict[str, Any]:
+def _event(
+    kind: str, message: str, where: dict[str, Any] | None, exc: BaseException | None = None, **extra: Any
+) -> dict[str, Any]:
     rec: dict[str, Any] = {"type": "event", "kind": kind, "message": message, "t_unix": time.time()}
     rec.update(where or {})
     if exc is not None:

@@ -169,7 +169,12 @@ def _salvage(partial: Path, req: ProfileRequest) -> Trace:
         header = make_header(
             memdoctor_version=_version(),
             created_unix=time.time(),
-            command={"argv": redact_argv(req.args), "script": req.script, "module": req.module, "cwd": os.getcwd()},
+            command={
+                "argv": redact_argv(req.args),
+                "script": req.script,
+                "module": req.module,
+                "cwd": os.getcwd(),
+            },
             settings={"warmup": req.warmup, "steps": req.steps, "budget_bytes": req.budget_bytes},
             host={},
             device={"kind": "unknown", "name": "unknown (the script died before memdoctor started)"},
@@ -185,9 +190,17 @@ def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
     last = _terminal_event(trace)
     kind = last.get("kind") if last else None
     if outcome.timed_out:
-        return "timeout", exitcodes.TIMEOUT, f"--timeout expired after {steps} complete steps; the script was stopped"
+        return (
+            "timeout",
+            exitcodes.TIMEOUT,
+            f"--timeout expired after {steps} complete steps; the script was stopped",
+        )
     if kind == "stopped":
-        return "completed", exitcodes.OK, f"profiled {steps} steps ({trace.settings.get('warmup', 0)} warm-up)"
+        return (
+            "completed",
+            exitcodes.OK,
+            f"profiled {steps} steps ({trace.settings.get('warmup', 0)} warm-up)",
+        )
     if kind == "interrupted" or outcome.interrupted:
         return "interrupted", exitcodes.INTERRUPTED, f"interrupted (Ctrl-C) after {steps} complete steps"
     if kind == "oom":
@@ -214,11 +227,16 @@ def _died(returncode: int, steps: int) -> tuple[str, int, str]:
     if returncode < 0:
         name = _signal_name(returncode) or f"signal {-returncode}"
         status = "crashed" if name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT") else "killed"
-        return status, exitcodes.SCRIPT_FAILED, f"the script process died of {name} after {steps} complete steps"
+        return (
+            status,
+            exitcodes.SCRIPT_FAILED,
+            f"the script process died of {name} after {steps} complete steps",
+        )
     return (
         "crashed",
         exitcodes.SCRIPT_FAILED,
-        f"the script process exited abruptly (code {returncode}, no Python exception) after {steps} complete steps",
+        f"the script process exited abruptly (code {returncode}, no Python exception) "
+        f"after {steps} complete steps",
     )
 
 
