@@ -13,8 +13,10 @@ def _free(addr: int, size: int) -> dict:
     return {"action": "free_completed", "addr": addr, "size": size}
 
 
-LOSS = [{"filename": "/x/torch/nn/functional.py", "line": 3, "name": "cross_entropy"},
-        {"filename": "/u/train.py", "line": 42, "name": "main"}]
+LOSS = [
+    {"filename": "/x/torch/nn/functional.py", "line": 3, "name": "cross_entropy"},
+    {"filename": "/u/train.py", "line": 42, "name": "main"},
+]
 
 
 def test_peak_blocks_are_attributed_by_address_and_site():
@@ -31,7 +33,7 @@ def test_peak_blocks_are_attributed_by_address_and_site():
         entries,
         baseline=7000,
         baseline_known={"parameters": 5000, "optimizer_state": 1500},
-        known={"activations": {100}, "gradients": {400}, "optimizer_state": set(), "parameters": set()},
+        known={"activations": {100: 1000}, "gradients": {400: 800}, "optimizer_state": {}, "parameters": {}},
     )
     assert led is not None
     cats = led["categories"]
@@ -43,7 +45,25 @@ def test_peak_blocks_are_attributed_by_address_and_site():
     assert cats["unattributed"] == 500
     assert sum(cats.values()) == led["peak_allocated"]
     assert led["temporaries_by_site"][0][1] == 4000
-    assert "functional.py:3 (cross_entropy) <- train.py:42 (main)" == led["temporaries_by_site"][0][0]
+    assert led["temporaries_by_site"][0][0] == "functional.py:3 (cross_entropy) <- train.py:42 (main)"
+
+
+def test_reused_address_of_a_freed_activation_is_a_temporary():
+    entries = [_alloc(100, 1024), _free(100, 1024), _alloc(100, 4096, LOSS)]
+    led = ledger_at_peak(entries, baseline=0, baseline_known={}, known={"activations": {100: 1000}})
+    assert led is not None
+    assert led["categories"]["activations"] == 0
+    assert led["categories"]["temporaries"] == 4096
+
+
+def test_parameters_moved_during_the_record_are_not_counted_twice():
+    entries = [_alloc(10, 2048), _alloc(20, 512)]
+    led = ledger_at_peak(
+        entries, baseline=0, baseline_known={"parameters": 2048}, known={"parameters": {10: 2048}}
+    )
+    assert led is not None
+    assert led["categories"]["parameters"] == 2048
+    assert led["categories"]["temporaries"] == 512
 
 
 def test_no_entries_or_no_allocation_gives_none():
@@ -53,3 +73,26 @@ def test_no_entries_or_no_allocation_gives_none():
 
 def test_site_without_frames_is_autograd():
     assert _site([]) == "autograd backward (no Python frame)"
+
+
+def test_summary_and_report_carry_the_peak_ledger(tmp_path):
+    from memdoctor.analysis import build_summary
+    from memdoctor.report import render_report
+    from tests.tracebuilder import completed_trace
+
+    trace = completed_trace("cuda", None, 2)
+    led = {
+        "source": "allocator_history",
+        "peak_allocated": 300,
+        "baseline": 100,
+        "categories": {"parameters": 100, "activations": 150, "temporaries": 50, "unattributed": 0},
+        "temporaries_by_site": [["<script>x</script>:1 (f)", 50]],
+        "peak_site": "x",
+        "entries": 10,
+    }
+    trace.steps[-1].memory["peak_ledger"] = led
+    summary = build_summary(trace)
+    assert summary["peak_ledger"]["categories"]["temporaries"] == 50
+    assert summary["peak_ledger"]["step"] == trace.steps[-1].step
+    html = render_report(trace, summary)
+    assert "<script>x</script>" not in html

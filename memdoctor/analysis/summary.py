@@ -63,9 +63,23 @@ def build_summary(trace: Trace) -> dict[str, Any]:
         "events": [event_row(trace, e) for e in trace.events],
         "fault": fault_info(trace),
         "live_at_fault": live_at_fault(trace),
+        "peak_ledger": peak_ledger(trace, step),
     }
     summary["headline"] = headline(summary)
     return summary
+
+
+def peak_ledger(trace: Trace, step: StepRecord | None) -> dict[str, Any] | None:
+    """The allocator-history ledger of the peak step, else of the last step that has one.
+
+    Present only for CUDA runs where the allocator's history could be recorded; every byte allocated
+    at that step's peak, attributed to a known tensor or to the code that allocated it."""
+    candidates = ([step] if step is not None else []) + list(reversed(trace.steps))
+    for s in candidates:
+        led = s.memory.get("peak_ledger")
+        if isinstance(led, dict) and isinstance(led.get("categories"), dict):
+            return {**led, "step": s.step}
+    return None
 
 
 def device_info(trace: Trace) -> dict[str, Any]:

@@ -88,6 +88,14 @@ def _live_at(entries: list[dict[str, Any]], upto: int) -> dict[int, dict[str, An
     return live
 
 
+def _match(ptrs: dict[int, int], entry: dict[str, Any]) -> int | None:
+    nbytes = ptrs.get(int(entry.get("addr", -1)))
+    if nbytes is None:
+        return None
+    size = int(entry.get("size", 0))
+    return nbytes if size == max(512, -(-nbytes // 512) * 512) or size == nbytes else None
+
+
 def _site(frames: Iterable[dict[str, Any]] | None) -> str:
     """The allocating code: the innermost frame, and the first frame outside PyTorch that led there."""
     frames = list(frames or [])
@@ -109,7 +117,7 @@ def ledger_at_peak(
     *,
     baseline: int,
     baseline_known: dict[str, int],
-    known: dict[str, set[int]],
+    known: dict[str, dict[int, int]],
 ) -> dict[str, Any] | None:
     """Attribute every byte allocated at the step's peak.
 
@@ -123,12 +131,20 @@ def ledger_at_peak(
     if peak_i < 0:
         return None
     cats = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "temporaries": 0}
+    # Parameters moved to the GPU after recording began are in the record, not in the baseline.
+    moved = sum(
+        int(e.get("size", 0))
+        for e in entries[: peak_i + 1]
+        if e.get("action") == "alloc" and _match(known.get("parameters", {}), e) is not None
+    )
+    baseline_known = dict(baseline_known)
+    baseline_known["parameters"] = max(0, baseline_known.get("parameters", 0) - moved)
     for k, v in baseline_known.items():
         cats[k] = cats.get(k, 0) + v
     sites: dict[str, int] = {}
-    for addr, e in _live_at(entries, peak_i).items():
+    for _addr, e in _live_at(entries, peak_i).items():
         size = int(e.get("size", 0))
-        cat = next((c for c, ptrs in known.items() if addr in ptrs), None)
+        cat = next((c for c, ptrs in known.items() if _match(ptrs, e) is not None), None)
         if cat is None:
             cats["temporaries"] += size
             site = _site(e.get("frames"))

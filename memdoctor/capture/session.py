@@ -102,11 +102,14 @@ class ProfileSession:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
-        self._param_ptrs: set[int] = set()
+        self._param_ptrs: dict[int, int] = {}  # storage address -> bytes, of every known parameter
+        self._opt_cache: tuple[Any, ...] | None = None
         self._roots_seen: set[int] = set()
-        self._self_trainable: dict[int, int] = {}
         # (parameter, (model, module index)) of every discovered model, for the per-step scans.
         self._flat_params: list[tuple[torch.Tensor, tuple[int, int]]] = []
+        self._grads_counted: set[int] = set()
+        self._root_modules: list[nn.Module] = []
+        self._param_handles: list[Any] = []
         self._stack: list[_Frame] = []
         self._saved: dict[int, tuple[int, Any]] = {}
         self._act_live = 0
@@ -145,9 +148,9 @@ class ProfileSession:
 
     def stop(self) -> None:
         """Remove every hook this session installed. Safe to call twice."""
-        for handle in self._handles:
+        for handle in self._handles + self._param_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._param_handles = [], []
         if self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
@@ -186,6 +189,7 @@ class ProfileSession:
 
     def where(self) -> dict[str, Any]:
         """Where the script is now: step, phase, innermost module (for fault reports)."""
+        self.discover_seen()
         key = self._stack[-1].key if self._stack else None
         if key is None and self._data.samples:
             key = self._data.samples[-1].key
@@ -265,27 +269,38 @@ class ProfileSession:
         if data.opt_posts and data.forwards:
             self._finalize_step()
             data = self._data
+        if self._pending:
+            # The finished step goes to disk before the script runs on, so a hard crash keeps it.
+            self._emit_ready(wait=False)
         if self._done:
             return
         if id(module) not in self._roots_seen:
             self._roots_seen.add(id(module))
+            self._root_modules.append(module)
             self._note_params(module)
+        # A new micro-batch starts with the step's first top-level call, or the first one after a
+        # backward; further top-level calls (a loss module called outside forward) join it.
+        if data.forwards and not data.bwd_since_fwd:
+            return
         if data.forwards and data.micro:
             data.fold_micro()
         if not data.forwards:
             self._grads_live = self._count_grads()
+            self._grads_counted = {id(p) for p, _ in self._flat_params if p.grad is not None}
         data.forwards += 1
+        data.bwd_since_fwd = False
 
     def _note_params(self, root: nn.Module) -> None:
         for p in root.parameters():
             key = storage_key(p)
             if key not in self._param_ptrs:
-                self._param_ptrs.add(key)
-                self._params_bytes += storage_nbytes(p)
+                self._param_ptrs[key] = storage_nbytes(p)
+                self._params_bytes += self._param_ptrs[key]
 
     def on_backward(self, event: str, key: int, depth: int) -> None:
         """Called from tensor hooks, on autograd's thread, as a module's backward starts or ends."""
         data = self._data
+        data.bwd_since_fwd = True
         i = self._sample(event, key, depth)
         if event == "bwd_pre":
             data.bwd_open.setdefault(key, []).append(i)
@@ -293,14 +308,12 @@ class ProfileSession:
         starts = data.bwd_open.get(key)
         if starts:
             data.bwd_pairs.append((key, starts.pop(0), i))
-        if key not in data.grads_done:
-            data.grads_done.add(key)
-            self._grads_live += self._trainable_self(key)
 
-    def _trainable_self(self, key: int) -> int:
-        if key in self._self_trainable:
-            return self._self_trainable[key]
-        return 0
+    def on_grad(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (``register_post_accumulate_grad_hook``)."""
+        if id(param) not in self._grads_counted and param.grad is not None:
+            self._grads_counted.add(id(param))
+            self._grads_live += storage_nbytes(param.grad)
 
     # ------------------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -317,7 +330,7 @@ class ProfileSession:
         self._act_live += nbytes
         data = self._data
         data.saved_total += nbytes
-        data.saved_ptrs.add(ptr)
+        data.saved_ptrs[ptr] = nbytes
         stack = self._stack
         if stack:
             top = stack[-1].key
@@ -351,6 +364,26 @@ class ProfileSession:
         self._data.opt_bytes = self._opt_state_by_module()
         self._sample("opt_post", None, 0)
         self._data.opt_posts += 1
+        if self.device.ready(self._data.samples[-1].marker) and self.device.kind != "cuda":
+            self._write_provisional()
+
+    def _write_provisional(self) -> None:
+        """Write the step now, marked complete; if a second optimizer steps before the next forward,
+        the step's final record (same step number) replaces this one when the trace is read. Where
+        markers resolve without waiting (CPU), this keeps a step that a hard crash follows at once."""
+        data = self._data
+        data.fold_micro()
+        rec = build_step(
+            data,
+            upto=len(data.samples),
+            device=self.device,
+            index=self._index,
+            warmup=data.step < self.warmup,
+            complete=True,
+            param_ptrs=self._param_ptrs,
+            release=False,
+        )
+        self.sink(rec.to_record())
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
         self._known_opts.add(id(opt))
@@ -362,25 +395,46 @@ class ProfileSession:
         for root in find_trained_roots(params - owned):
             if any(m.modules[0] is root for m in self.models):
                 continue
+            self._add_model(describe_model(len(self.models), root, self._optimizers))
+
+    def _add_model(self, model: DiscoveredModel) -> None:
+        self.models.append(model)
+        for i, mod in enumerate(model.modules):
+            self._index.setdefault(id(mod), (model.info.index, i))
+            self._flat_params += [(p, (model.info.index, i)) for p in mod.parameters(recurse=False)]
+        self._watch_grads(model)
+        self._note_params(model.modules[0])
+        self.sink(model.info.to_record())
+
+    def _watch_grads(self, model: DiscoveredModel) -> None:
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return  # torch < 2.1: gradients are measured at the optimizer step only
+        seen: set[int] = set()
+        for mod in model.modules:
+            for p in mod.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._param_handles.append(p.register_post_accumulate_grad_hook(_GradHook(self)))
+
+    def discover_seen(self) -> None:
+        """Describe the top-level modules seen so far as models (for a fault before any optimizer step)."""
+        if self.models:
+            return
+        for root in self._root_modules:
             model = describe_model(len(self.models), root, self._optimizers)
-            self.models.append(model)
-            for i, mod in enumerate(model.modules):
-                self._index.setdefault(id(mod), (model.info.index, i))
-                self._self_trainable[id(mod)] = model.trainable_self_bytes[i]
-                self._flat_params += [(p, (model.info.index, i)) for p in mod.parameters(recurse=False)]
-            self._note_params(root)
-            self.sink(model.info.to_record())
+            self._add_model(model)
 
     def _grads_by_module(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = {}
-        seen: set[int] = set()
+        seen: dict[int, int] = {}
         for p, loc in self._flat_params:
             g = p.grad
             if g is not None:
-                key = storage_key(g)
+                st = g.untyped_storage()
+                key = st.data_ptr()
                 if key not in seen:
-                    seen.add(key)
-                    out[loc] = out.get(loc, 0) + storage_nbytes(g)
+                    seen[key] = st.nbytes()
+                    out[loc] = out.get(loc, 0) + seen[key]
         self._data.grad_bytes_total = out
         self._data.grad_ptrs = seen
         return out
@@ -389,22 +443,27 @@ class ProfileSession:
         return sum(storage_nbytes(p.grad) for p, _ in self._flat_params if p.grad is not None)
 
     def _opt_state_by_module(self) -> dict[tuple[int, int], int]:
+        # Optimizer state is created once and updated in place: rescan only when it grows.
+        shape = tuple((id(o), len(o.state)) for o in self._optimizers)
+        if self._opt_cache is None or self._opt_cache[0] != shape:
+            self._opt_cache = (shape, *self._scan_opt_state())
+        _, out, total, seen = self._opt_cache
+        self._opt_bytes = total
+        self._data.opt_ptrs = seen
+        return out
+
+    def _scan_opt_state(self) -> tuple[dict[tuple[int, int], int], int, dict[int, int]]:
         out: dict[tuple[int, int], int] = {}
-        seen: set[int] = set()
-        total = 0
+        seen: dict[int, int] = {}
         for opt in self._optimizers:
             for p, state in opt.state.items():
                 loc = self._owner_of(p)
                 for v in state.values() if isinstance(state, dict) else ():
                     if isinstance(v, torch.Tensor) and storage_key(v) not in seen:
-                        seen.add(storage_key(v))
-                        n = storage_nbytes(v)
-                        total += n
+                        n = seen[storage_key(v)] = storage_nbytes(v)
                         if loc is not None:
                             out[loc] = out.get(loc, 0) + n
-        self._opt_bytes = total
-        self._data.opt_ptrs = seen
-        return out
+        return out, sum(seen.values()), seen
 
     def _owner_of(self, p: Any) -> tuple[int, int] | None:
         for model in self.models:
@@ -519,6 +578,19 @@ class _TensorHook:
     def __call__(self, grad: torch.Tensor) -> None:
         if self.session._running:
             self.session.on_backward(self.event, self.key, self.depth)
+
+
+class _GradHook:
+    """Post-accumulate-grad hook: counts a parameter's gradient the moment it exists."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: ProfileSession) -> None:
+        self.session = session
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if self.session._running:
+            self.session.on_grad(param)
 
 
 class _Freed:

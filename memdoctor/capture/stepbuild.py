@@ -44,13 +44,14 @@ class StepData:
     fwd_pairs: list[tuple[int, int, int]] = field(default_factory=list)
     bwd_pairs: list[tuple[int, int, int]] = field(default_factory=list)
     bwd_open: dict[int, list[int]] = field(default_factory=dict)
-    grads_done: set[int] = field(default_factory=set)
+    bwd_since_fwd: bool = False
     grad_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     grad_bytes_total: dict[tuple[int, int], int] = field(default_factory=dict)
     opt_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
-    saved_ptrs: set[int] = field(default_factory=set)
-    grad_ptrs: set[int] = field(default_factory=set)
-    opt_ptrs: set[int] = field(default_factory=set)
+    # storage address -> bytes of the tensors of each category seen this step (for the history ledger)
+    saved_ptrs: dict[int, int] = field(default_factory=dict)
+    grad_ptrs: dict[int, int] = field(default_factory=dict)
+    opt_ptrs: dict[int, int] = field(default_factory=dict)
     history: list[dict[str, Any]] | None = None
     history_baseline: int = 0
     # module key -> [inclusive saved bytes, checkpoint-free bytes or None, calls] of the micro-batch
@@ -99,7 +100,8 @@ def build_step(
     index: dict[int, tuple[int, int]],
     warmup: bool,
     complete: bool,
-    param_ptrs: set[int] | None = None,
+    param_ptrs: dict[int, int] | None = None,
+    release: bool = True,
 ) -> StepRecord:
     samples = data.samples[:upto]
     markers = [s.marker for s in samples]
@@ -123,13 +125,13 @@ def build_step(
         modules=_module_columns(data, t_ms, index),
         timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
     )
-    if complete:
+    if complete and release:
         device.release_markers(markers[:-1])
     return record
 
 
 def _history_ledger(
-    data: StepData, samples: list[Sample], param_ptrs: set[int] | None
+    data: StepData, samples: list[Sample], param_ptrs: dict[int, int] | None
 ) -> dict[str, Any] | None:
     from memdoctor.capture.history import ledger_at_peak
 
@@ -143,7 +145,7 @@ def _history_ledger(
         "activations": data.saved_ptrs,
         "gradients": data.grad_ptrs,
         "optimizer_state": data.opt_ptrs,
-        "parameters": param_ptrs or set(),
+        "parameters": param_ptrs or {},
     }
     return ledger_at_peak(
         data.history, baseline=data.history_baseline, baseline_known=baseline_known, known=known
