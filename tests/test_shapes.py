@@ -511,10 +511,6 @@ def test_script_runs_as_python_runs_it(as_script: AsPython) -> None:
     assert not tree(as_script.cwd)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runpy.run_path(script as given) leaves __main__.__file__ relative; python makes it absolute",
-)
 def test_script_file_is_absolute_as_under_python(as_script: AsPython) -> None:
     assert as_script.profiled["file"] == as_script.plain["file"]
 

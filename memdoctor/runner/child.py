@@ -11,6 +11,7 @@ files beyond what the profiled steps themselves did.
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ import runpy
 import sys
 import time
 import traceback
+import types
 from typing import Any
 
 ENV_VAR = "MEMDOCTOR_CHILD"
@@ -66,7 +68,12 @@ def main() -> int:
         os._exit(EXIT_STOPPED)
 
     session = ProfileSession(
-        steps=cfg["steps"], warmup=cfg["warmup"], sink=writer.write, device=device, on_done=stop
+        steps=cfg["steps"],
+        warmup=cfg["warmup"],
+        sink=writer.write,
+        device=device,
+        on_done=stop,
+        time_depth=cfg.get("time_depth"),
     )
     code = _run(cfg, session, writer)
     writer.close()
@@ -80,7 +87,7 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         if cfg.get("module"):
             runpy.run_module(cfg["module"], run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(cfg["script"], run_name="__main__")
+            _run_script(cfg["script"])
     except SystemExit as exc:
         where = _close(session)
         code = _exit_code(exc.code)
@@ -95,11 +102,31 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         where = _close(session)
         kind = "oom" if _is_oom(exc) else "exception"
         writer.write(_event(kind, _one_line(exc), where, exc=exc))
-        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        traceback.print_exception(type(exc), exc, _user_tb(exc.__traceback__))
         return 1
     session.finish()
     writer.write(_event("script_finished", "the script finished", session.where()))
     return 0
+
+
+def _run_script(script: str) -> None:
+    """Run a script file as ``python SCRIPT`` does: ``__main__`` with an absolute ``__file__``,
+    ``sys.argv[0]`` as the user typed it. (``runpy.run_path`` would set ``sys.argv[0]`` to the path it
+    is given, so it cannot give both.)"""
+    path = script if os.path.isabs(script) else os.path.join(os.getcwd(), script)  # as python: no normpath
+    with open(path, "rb") as fh:
+        source = fh.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None)
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)  # type: ignore[attr-defined]
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
 
 
 def _prepare_sys(cfg: dict[str, Any]) -> None:
@@ -130,10 +157,23 @@ def _event(
     rec: dict[str, Any] = {"type": "event", "kind": kind, "message": message, "t_unix": time.time()}
     rec.update(where or {})
     if exc is not None:
-        rec["exception_type"] = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        module = type(exc).__module__
+        rec["exception_type"] = (
+            type(exc).__qualname__ if module == "builtins" else f"{module}.{type(exc).__qualname__}"
+        )
         rec["traceback"] = _user_frames(exc)
     rec.update(extra)
     return rec
+
+
+def _user_tb(tb: Any) -> Any:
+    """The traceback from the script's first frame on, as ``python SCRIPT`` would print it."""
+    while tb is not None and tb.tb_next is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if "memdoctor" not in name and "runpy" not in name:
+            break
+        tb = tb.tb_next
+    return tb
 
 
 def _user_frames(exc: BaseException, limit: int = 8) -> list[str]:

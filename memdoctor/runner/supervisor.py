@@ -34,6 +34,7 @@ class ProfileRequest:
     steps: int = 5
     budget_bytes: int | None = None
     timeout_s: float | None = None
+    time_depth: int | None = None
 
 
 @dataclass
@@ -104,6 +105,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "warmup": req.warmup,
         "steps": req.steps,
         "budget_bytes": req.budget_bytes,
+        "time_depth": req.time_depth,
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,
