@@ -78,7 +78,7 @@ def step_times(path: Path, skip: int) -> list[float]:
     return [r["step_ms"] for r in rows[skip:]]
 
 
-def overhead(out: Path, name: str, args: list[str], steps: int) -> dict:
+def overhead(out: Path, name: str, args: list[str], steps: int, md_args: list[str] = ()) -> dict:
     bare_file, prof_file = out / f"{name}.bare.jsonl", out / f"{name}.prof.jsonl"
     for f in (bare_file, prof_file):
         f.unlink(missing_ok=True)
