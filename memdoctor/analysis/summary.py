@@ -82,6 +82,23 @@ def peak_ledger(trace: Trace, step: StepRecord | None) -> dict[str, Any] | None:
     return None
 
 
+def peak_phase(step: StepRecord) -> str | None:
+    """The recorded peak phase; for traces that recorded "other" at a pre-hook sample, the phase that
+    sample opens (derived from the timeline, as the capture now records it)."""
+    recorded = step.memory.get("peak_phase")
+    tl = step.timeline
+    times, phases, events = tl.get("t_ms"), tl.get("phase"), tl.get("event")
+    if recorded != "other" or not times or not phases or not events:
+        return recorded
+    at = step.memory.get("peak_t_ms")
+    i = next((k for k, t in enumerate(times) if t == at), None)
+    if i is None:
+        return recorded
+    if events[i] == "fwd_pre":
+        return "forward"
+    return str(phases[i + 1]) if i + 1 < len(phases) else recorded
+
+
 def device_info(trace: Trace) -> dict[str, Any]:
     dev = trace.device
     return {
@@ -135,7 +152,7 @@ def peak_figures(trace: Trace, step: StepRecord | None) -> dict[str, Any]:
         "peak_source": mem.get("peak_source") or ("allocator" if _has_allocator(step) else "accounting"),
         "peak_from_incomplete_step": not step.complete,
         "peak_from_warmup_step": step.warmup,
-        "peak_phase": mem.get("peak_phase"),
+        "peak_phase": peak_phase(step),
         "peak_module": module_label(trace, mem.get("peak_model"), mem.get("peak_module")),
         "peak_t_ms": mem.get("peak_t_ms"),
         "categories": cats,

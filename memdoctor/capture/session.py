@@ -459,7 +459,10 @@ class ProfileSession:
             for p, state in opt.state.items():
                 loc = self._owner_of(p)
                 for v in state.values() if isinstance(state, dict) else ():
-                    if isinstance(v, torch.Tensor) and storage_key(v) not in seen:
+                    # Only state on the parameter's device (AdamW keeps its step counters on the host).
+                    if not isinstance(v, torch.Tensor) or v.device != p.device:
+                        continue
+                    if storage_key(v) not in seen:
                         n = seen[storage_key(v)] = storage_nbytes(v)
                         if loc is not None:
                             out[loc] = out.get(loc, 0) + n

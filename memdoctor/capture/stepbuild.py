@@ -202,13 +202,27 @@ def _peak(
         "peak_bytes": int(peak_bytes),
         "peak_source": source,
         "peak_t_ms": round(t_ms[at], 4),
-        "peak_phase": phases[at] if s.event != "fwd_pre" else "forward",
+        "peak_phase": _peak_phase(samples, phases, at),
         "peak_model": loc[0] if loc else None,
         "peak_module": loc[1] if loc else None,
         "categories_at_peak": cats,
         "accounted_bytes": int(accounted),
         "allocator": _allocator(samples, with_mem, device),
     }
+
+
+def _peak_phase(samples: list[Sample], phases: list[str], i: int) -> str:
+    """The phase at the peak sample; a sample that ends an interval of "other" (a root forward's or
+    the optimizer's pre-hook) opens the phase that follows it, where the memory it holds is used."""
+    return peak_phase_at(phases, [s.event for s in samples], i)
+
+
+def peak_phase_at(phases: list[Any], events: list[Any], i: int) -> str:
+    if events[i] == "fwd_pre":
+        return "forward"
+    if phases[i] == "other" and i + 1 < len(phases):
+        return str(phases[i + 1])
+    return str(phases[i])
 
 
 def _allocator(samples: list[Sample], with_mem: list[int], device: Device) -> dict[str, int] | None:
