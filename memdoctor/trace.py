@@ -111,10 +111,12 @@ class StepRecord:
     modules: dict[int, dict[str, list[Any]]]
     timeline: dict[str, list[Any] | None]
     timeline_stride: int = 1
+    detail: str = "full"  # "full": the per-module ledger; "timing": step time and allocator peak only
 
     def to_record(self) -> dict[str, Any]:
         return {
             "type": "step",
+            "detail": self.detail,
             "step": self.step,
             "warmup": self.warmup,
             "complete": self.complete,
@@ -149,6 +151,7 @@ class StepRecord:
             modules=modules,
             timeline=timeline,
             timeline_stride=_int(rec, "timeline_stride", 1),
+            detail="timing" if rec.get("detail") == "timing" else "full",
         )
 
 
@@ -175,6 +178,10 @@ class Trace:
     def profiled_steps(self) -> list[StepRecord]:
         """Complete, non-warmup steps; the figures a report leads with."""
         return [s for s in self.steps if s.complete and not s.warmup]
+
+    def detailed_steps(self) -> list[StepRecord]:
+        """Profiled steps that carry the per-module ledger (all of them, unless timing steps were used)."""
+        return [s for s in self.profiled_steps() if s.detail == "full"]
 
     def records(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [dict(self.header, type="header")]

@@ -56,7 +56,7 @@ def build_summary(trace: Trace) -> dict[str, Any]:
         "not_measured": not_measured(trace),
         "steps_profiled": len(trace.profiled_steps()),
         "step_time_ms": _median([s.duration_ms for s in trace.profiled_steps()]),
-        "phases_ms": median_phases(trace.profiled_steps()),
+        "phases_ms": median_phases(trace.detailed_steps()),
         **peak_figures(trace, step),
         "layers": summary_layers(trace, step),
         "steps": step_rows(trace),
@@ -164,8 +164,9 @@ def peak_figures(trace: Trace, step: StepRecord | None) -> dict[str, Any]:
 
 
 def peak_step(trace: Trace) -> StepRecord | None:
-    """The profiled step with the highest peak; without profiled steps, any step (incomplete too)."""
-    pool = trace.profiled_steps() or trace.steps
+    """The detailed profiled step with the highest peak (timing steps carry no ledger); without
+    profiled steps, any step (incomplete too)."""
+    pool = trace.detailed_steps() or trace.profiled_steps() or trace.steps
     return max(pool, key=step_peak_bytes, default=None)
 
 

@@ -76,6 +76,7 @@ class ProfileSession:
         on_done: Callable[[], None] | None = None,
         time_depth: int | None = None,
         timed_calls_budget: int = 96,
+        detail: str = "auto",
     ) -> None:
         self.steps = steps
         self.warmup = warmup
@@ -95,6 +96,14 @@ class ProfileSession:
             history.HistoryRecorder() if history.available() and self.device.kind == "cuda" else None
         )
         self._history_steps = {0, warmup + steps - 1}
+        # Which steps get the full per-module ledger. On CUDA ("auto"): the warm-up steps and the first
+        # and last profiled steps; the steps between are timing steps, with only the optimizer hooks
+        # and the allocator's peak, so their step times are those of the script without memdoctor's
+        # per-module work. On a CPU there is no allocator peak, so every step is detailed.
+        self._detail_steps: set[int] | None = None
+        if detail != "all" and self.device.has_allocator:
+            self._detail_steps = set(range(warmup)) | {warmup, warmup + steps - 1}
+        self._module_handles: list[Any] = []
         self.models: list[DiscoveredModel] = []
         self.records: list[StepRecord] = []
         self._index: dict[int, tuple[int, int]] = {}
@@ -132,15 +141,12 @@ class ProfileSession:
     def start(self) -> None:
         if self._running:
             return
-        mod = torch.nn.modules.module
         self._handles = [
-            mod.register_module_forward_pre_hook(self._fwd_pre),
-            mod.register_module_forward_hook(self._fwd_post),
             register_optimizer_step_pre_hook(self._opt_pre),
             register_optimizer_step_post_hook(self._opt_post),
         ]
-        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._saved_ctx.__enter__()
+        if self.detailed(0):
+            self._module_hooks(True)
         self._running = True
         self._data.t0_unix = time.time()
         self._start_history()
@@ -151,10 +157,30 @@ class ProfileSession:
         for handle in self._handles + self._param_handles:
             handle.remove()
         self._handles, self._param_handles = [], []
-        if self._saved_ctx is not None:
-            self._saved_ctx.__exit__(None, None, None)
-            self._saved_ctx = None
+        self._module_hooks(False)
         self._running = False
+
+    def detailed(self, step: int) -> bool:
+        """Whether ``step`` records the per-module ledger (else it is a timing step)."""
+        return self._detail_steps is None or step in self._detail_steps
+
+    def _module_hooks(self, on: bool) -> None:
+        """Install or remove the module and saved-tensor hooks (only ever between steps)."""
+        if on and not self._module_handles:
+            mod = torch.nn.modules.module
+            self._module_handles = [
+                mod.register_module_forward_pre_hook(self._fwd_pre),
+                mod.register_module_forward_hook(self._fwd_post),
+            ]
+            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._saved_ctx.__enter__()
+        elif not on and self._module_handles:
+            for handle in self._module_handles:
+                handle.remove()
+            self._module_handles = []
+            if self._saved_ctx is not None:
+                self._saved_ctx.__exit__(None, None, None)
+                self._saved_ctx = None
 
     def finish(self) -> None:
         """Record the step in progress if it ended with an optimizer step, then stop."""
@@ -355,8 +381,9 @@ class ProfileSession:
         if id(opt) not in self._known_opts:
             self._discover(opt)
         self._sample("opt_pre", None, 0)
-        self._data.grad_bytes = self._grads_by_module()
-        self._grads_live = sum(self._data.grad_bytes_total.values())
+        if self.detailed(self._step_index):
+            self._data.grad_bytes = self._grads_by_module()
+            self._grads_live = sum(self._data.grad_bytes_total.values())
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._done:
@@ -364,6 +391,13 @@ class ProfileSession:
         self._data.opt_bytes = self._opt_state_by_module()
         self._sample("opt_post", None, 0)
         self._data.opt_posts += 1
+        now, following = self.detailed(self._step_index), self.detailed(self._step_index + 1)
+        if not (now and following):
+            # The next step's hooks differ from this one's: close the step at its optimizer step and
+            # switch the module hooks here, outside any forward.
+            self._finalize_step()
+            self._module_hooks(following)
+            return
         if self.device.ready(self._data.samples[-1].marker) and self.device.kind != "cuda":
             self._write_provisional()
 
@@ -564,6 +598,7 @@ class ProfileSession:
             warmup=data.step < self.warmup,
             complete=complete,
             param_ptrs=self._param_ptrs,
+            detailed=self.detailed(data.step),
         )
         self.records.append(rec)
         self.sink(rec.to_record())

@@ -102,6 +102,7 @@ def build_step(
     complete: bool,
     param_ptrs: dict[int, int] | None = None,
     release: bool = True,
+    detailed: bool = True,
 ) -> StepRecord:
     samples = data.samples[:upto]
     markers = [s.marker for s in samples]
@@ -122,9 +123,15 @@ def build_step(
         phases_ms={k: round(v, 4) for k, v in phases_ms.items()},
         micro_batches=max(1, data.forwards),
         memory=memory,
-        modules=_module_columns(data, t_ms, index),
+        modules=_module_columns(data, t_ms, index) if detailed else {},
         timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
+        detail="full" if detailed else "timing",
     )
+    if not detailed:
+        # A timing step has no module or saved-tensor hooks: its allocator peak is measured, but
+        # not what made it up, and forward and backward are not told apart.
+        memory["categories_at_peak"] = None
+        memory["accounted_bytes"] = None
     if complete and release:
         device.release_markers(markers[:-1])
     return record
