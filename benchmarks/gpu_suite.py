@@ -103,7 +103,25 @@ def overhead(out: Path, name: str, args: list[str], steps: int, md_args: list[st
     }
     if bare and prof:
         res["ratio"] = res["profiled_ms"] / res["bare_ms"]
+    # memdoctor step k is the workload's timing line k+1. With --detail auto on CUDA the warm-up, first
+    # and last profiled steps carry the ledger (detailed); the others are timing steps.
+    warmup = 2
+    detailed = set(range(warmup)) | {warmup, warmup + steps - 1}
+    rows = _rows(prof_file)
+    full = [r["step_ms"] for r in rows if r["step"] - 1 in detailed and r["step"] > 3]
+    timing = [r["step_ms"] for r in rows if r["step"] - 1 not in detailed and 3 < r["step"] <= warmup + steps]
+    res.update(detailed_ms=_median(full), timing_ms=_median(timing))
+    if bare and full:
+        res["detailed_ratio"] = res["detailed_ms"] / res["bare_ms"]
+    if bare and timing:
+        res["timing_ratio"] = res["timing_ms"] / res["bare_ms"]
     return res
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _median(xs: list[float]) -> float | None:

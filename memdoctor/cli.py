@@ -275,6 +275,14 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
         help="stop the script after SECONDS and keep what was measured (exit code 124)",
     )
     p.add_argument(
+        "--detail",
+        choices=("auto", "all"),
+        default="auto",
+        help="which steps record the per-module ledger: auto (default) on CUDA the warm-up, first and last "
+        "profiled steps, the others being timing steps with only the optimizer hooks, so that step times "
+        "are the script's own; on a CPU every step. 'all': every step",
+    )
+    p.add_argument(
         "--time-depth",
         type=_arg_type(_time_depth),
         default=None,
@@ -307,6 +315,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         budget_bytes=ns.budget,
         timeout_s=ns.timeout,
         time_depth=ns.time_depth,
+        detail=ns.detail,
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     _say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
@@ -332,6 +341,7 @@ _MEMDOCTOR_PROFILE_OPTIONS = (
     "--force",
     "--timeout",
     "--time-depth",
+    "--detail",
 )
 
 

@@ -74,6 +74,7 @@ def main() -> int:
         device=device,
         on_done=stop,
         time_depth=cfg.get("time_depth"),
+        detail=cfg.get("detail", "auto"),
     )
     code = _run(cfg, session, writer)
     writer.close()

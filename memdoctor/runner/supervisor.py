@@ -35,6 +35,7 @@ class ProfileRequest:
     budget_bytes: int | None = None
     timeout_s: float | None = None
     time_depth: int | None = None
+    detail: str = "auto"
 
 
 @dataclass
@@ -106,6 +107,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "steps": req.steps,
         "budget_bytes": req.budget_bytes,
         "time_depth": req.time_depth,
+        "detail": req.detail,
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,
