@@ -236,15 +236,26 @@ def timeline_series(step: StepRecord) -> dict[str, Any]:
     """The step's timeline as plot-ready arrays: time, one series per category, allocator lines, phases."""
     tl = step.timeline
     t = [float(x) for x in tl.get("t_ms") or []]
+    phases = list(tl.get("phase") or [])
+    k = _setup_samples(t, phases)
     return {
-        "t_ms": t,
-        "categories": {c: [int(v or 0) for v in col] for c, col in _category_columns(step).items()},
-        "allocator": {c: _series(tl.get(c)) for c in ("allocated", "reserved") if tl.get(c) is not None},
-        "phases": phase_spans(t, list(tl.get("phase") or [])),
+        "t_ms": t[k:],
+        "skipped_ms": t[k] - t[0] if k else 0.0,
+        "categories": {c: [int(v or 0) for v in col][k:] for c, col in _category_columns(step).items()},
+        "allocator": {c: _series(tl.get(c))[k:] for c in ("allocated", "reserved") if tl.get(c) is not None},
+        "phases": phase_spans(t[k:], phases[k:]),
         "peak_t_ms": step.memory.get("peak_t_ms"),
         "peak_bytes": step_peak_bytes(step),
         "stride": step.timeline_stride,
     }
+
+
+def _setup_samples(t: list[float], phases: list[Any]) -> int:
+    """1 when the step opens with a stretch of "other" longer than the rest of it (the script's set-up
+    before the first step's forward), which would squeeze the step into the plot's last sliver; else 0."""
+    if len(t) > 2 and len(phases) > 1 and phases[1] == "other" and (t[1] - t[0]) > (t[-1] - t[1]):
+        return 1
+    return 0
 
 
 def _series(col: list[Any] | None) -> list[int | None]:

@@ -281,10 +281,15 @@ def _module_columns(
     for key, a, b in data.bwd_pairs:
         if b < len(t_ms):
             put("backward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
-    timed = {index[k] for k, _, _ in data.fwd_pairs if k in index}
+    # None where not measured: modules below the timing depth, and backward where none ran (a step
+    # cut short in its forward).
+    timed = {
+        "forward_ms": {index[k] for k, _, _ in data.fwd_pairs if k in index},
+        "backward_ms": {index[k] for k, _, _ in data.bwd_pairs if k in index},
+    }
     for m, c in cols.items():
-        for col in ("forward_ms", "backward_ms"):
-            c[col] = [round(x, 4) if (m, i) in timed else None for i, x in enumerate(c[col])]
+        for col, locs in timed.items():
+            c[col] = [round(x, 4) if (m, i) in locs else None for i, x in enumerate(c[col])]
     return cols
 
 

@@ -128,6 +128,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "layer_chart": plots.layer_bars(an.top_layers(trace, step)) if step else None,
         "timeline_chart": _timeline_chart(trace, limit, limit_label),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
+        "timeline_skipped_ms": an.timeline_series(step)["skipped_ms"] if step is not None else 0.0,
         "steps": summary["steps"],
         "phases": _phase_names(summary),
         "events": _event_rows(trace, summary),
