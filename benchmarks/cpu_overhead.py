@@ -20,11 +20,18 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from memdoctor.capture.session import ProfileSession
+from memdoctor.device import FakeDevice
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--timing-steps",
+        action="store_true",
+        help="profile on a FakeDevice (which has an allocator) so that, as on CUDA, only the first and last "
+        "profiled steps are detailed; prints the detailed and the timing steps' medians apart",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -40,17 +47,33 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
 
-    def timed(n: int) -> float:
+    def run(n: int) -> list[float]:
         times = []
         for _ in range(n):
             t = time.perf_counter()
             step()
             times.append((time.perf_counter() - t) * 1000)
-        return statistics.median(times)
+        return times
+
+    def timed(n: int) -> float:
+        return statistics.median(run(n))
 
     for _ in range(3):
         step()
     bare = timed(30)
+    if args.timing_steps:
+        session = ProfileSession(steps=30, warmup=1, device=FakeDevice())
+        session.start()
+        times = run(31)
+        session.finish()
+        detailed = [times[0], times[1], times[30]]
+        timing = times[2:30]
+        print(
+            f"bare {bare:.2f} ms  detailed steps {statistics.median(detailed):.2f} ms "
+            f"({statistics.median(detailed) / bare:.2f}x)  timing steps {statistics.median(timing):.2f} ms "
+            f"({statistics.median(timing) / bare:.2f}x)"
+        )
+        return
     session = ProfileSession(steps=60, warmup=1)
     session.start()
     profiled = timed(30)
