@@ -263,12 +263,12 @@ def _module_columns(
         put("activation_bytes", index.get(key), n)
     for key, n in data.act_self.items():
         put("activation_self_bytes", index.get(key), n)
-    for key, n in data.ckpt_free.items():
+    for key, free in data.ckpt_free.items():
         loc = index.get(key)
-        if n is None and loc is not None:
+        if free is None and loc is not None:
             cols[loc[0]]["checkpoint_free_bytes"][loc[1]] = None
         else:
-            put("checkpoint_free_bytes", loc, max(0, n or 0))
+            put("checkpoint_free_bytes", loc, max(0, free or 0))
     for key, n in data.calls.items():
         put("calls", index.get(key), n)
     for loc, n in data.grad_bytes.items():

@@ -120,7 +120,7 @@ def _run_script(script: str) -> None:
     code = compile(source, path, "exec", dont_inherit=True)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None)
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)  # type: ignore[attr-defined]
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
     previous = sys.modules.get("__main__")
     sys.modules["__main__"] = main
     try:

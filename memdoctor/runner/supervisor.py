@@ -191,8 +191,8 @@ def _salvage(partial: Path, req: ProfileRequest) -> Trace:
 def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
     """(status, memdoctor exit code, one-line message) for how the run ended."""
     steps = sum(1 for s in trace.steps if s.complete)
-    last = _terminal_event(trace)
-    kind = last.get("kind") if last else None
+    last = _terminal_event(trace) or {}
+    kind = last.get("kind")
     if outcome.timed_out:
         return (
             "timeout",
