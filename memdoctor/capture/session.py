@@ -397,14 +397,17 @@ class ProfileSession:
             # switch the module hooks here, outside any forward.
             self._finalize_step()
             self._module_hooks(following)
+            if now:
+                self._emit_ready(wait=True)  # a ledger step goes to disk at once (see below)
             return
-        if self.device.ready(self._data.samples[-1].marker) and self.device.kind != "cuda":
-            self._write_provisional()
+        # A step with the per-module ledger is written as its optimizer step returns, so that a hard
+        # crash right after it keeps it. On CUDA that waits for the step's GPU work: only the
+        # warm-up, first and last profiled steps pay this; timing steps are written without waiting.
+        self._write_provisional()
 
     def _write_provisional(self) -> None:
         """Write the step now, marked complete; if a second optimizer steps before the next forward,
-        the step's final record (same step number) replaces this one when the trace is read. Where
-        markers resolve without waiting (CPU), this keeps a step that a hard crash follows at once."""
+        the step's final record (same step number) replaces this one when the trace is read."""
         data = self._data
         data.fold_micro()
         rec = build_step(
