@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from memdoctor import tracecheck
 from memdoctor.errors import TraceError
 
 FORMAT_NAME = "memdoctor-trace"
@@ -285,6 +286,7 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
                 raise ValueError("a record must be a JSON object")
             if trace is None:
                 trace = Trace(header=_check_header(p, rec), path=str(p))
+                tracecheck.check_header(trace.header)
                 continue
             _add_record(trace, rec)
         except TraceError:
@@ -296,6 +298,10 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
             raise TraceError(f"{p}: record {n} is invalid ({_short(exc)}); the trace is corrupt") from None
     if trace is None:
         raise TraceError(f"{p}: no header record; not a memdoctor trace")
+    try:
+        tracecheck.check_references(trace)
+    except ValueError as exc:
+        raise TraceError(f"{p}: {_short(exc)}; the trace is corrupt") from None
     trace.truncated = truncated
     return trace
 
@@ -358,6 +364,26 @@ def _check_header(p: Path, rec: dict[str, Any]) -> dict[str, Any]:
         )
     header = dict(rec)
     header.pop("type", None)
+    return _with_defaults(header)
+
+
+def _with_defaults(header: dict[str, Any]) -> dict[str, Any]:
+    """Optional header fields, filled in (old traces keep loading; readers need not check)."""
+    sections = {
+        "command": {"argv": [], "script": None, "module": None, "cwd": None},
+        "settings": {"warmup": 0, "steps": 0, "budget_bytes": None},
+        "device": {
+            "kind": "unknown",
+            "name": "unknown",
+            "total_memory_bytes": None,
+            "memory_cap_bytes": None,
+        },
+        "host": {},
+    }
+    for key, defaults in sections.items():
+        value = header.get(key)
+        header[key] = {**defaults, **value} if isinstance(value, dict) else dict(defaults)
+    header.setdefault("not_measured", [])
     return header
 
 
@@ -367,6 +393,7 @@ def _add_record(trace: Trace, rec: dict[str, Any]) -> None:
         trace.models.append(ModelInfo.from_record(rec))
     elif kind == "step":
         step = StepRecord.from_record(rec)
+        tracecheck.check_step(step)
         if trace.steps and trace.steps[-1].step == step.step:
             trace.steps[-1] = step  # a later record of the same step supersedes a provisional one
         else:
@@ -375,9 +402,11 @@ def _add_record(trace: Trace, rec: dict[str, Any]) -> None:
         ev = {k: v for k, v in rec.items() if k != "type"}
         ev["kind"] = _name(ev.get("kind", "note"))
         ev["message"] = str(ev.get("message", ""))[: MAX_NAME_CHARS * 4]
+        tracecheck.check_event(ev)
         trace.events.append(ev)
     elif kind == "end":
         trace.end = {k: v for k, v in rec.items() if k != "type"}
+        tracecheck.check_end(trace.end)
     elif kind == "header":
         raise ValueError("a second header record")
     # Unknown record types come from newer minor versions: ignored, as documented.

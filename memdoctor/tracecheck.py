@@ -1,0 +1,184 @@
+"""Deep checks of a loaded trace, so that analysis and reports can trust what they read.
+
+``memdoctor.trace`` parses records and checks their shape; this module checks every field a reader
+uses — types, ranges, column lengths, and references between records (a step's module columns must
+match its model's module table; a peak module must exist). A trace that fails is refused with the
+first problem found: a damaged or crafted trace never reaches the report code. Keys a newer minor
+version adds are not checked here and are ignored by the readers that do not know them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+Check = Callable[[Any], bool]
+MAX_TEXT = 64 * 1024
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_TEXT
+
+
+def _opt(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Check) -> Check:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _dict_of(check: Check) -> Check:
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
+
+
+def _signed_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+HEADER = {
+    "command": _dict_of(lambda v: True),
+    "settings": lambda v: (
+        isinstance(v, dict) and all(_opt(_int)(v.get(k)) for k in ("warmup", "steps", "budget_bytes"))
+    ),
+    "host": _dict_of(_opt(_str)),
+    "device": lambda v: (
+        isinstance(v, dict)
+        and _opt(_str)(v.get("kind"))
+        and _opt(_str)(v.get("name"))
+        and _opt(_int)(v.get("total_memory_bytes"))
+        and _opt(_int)(v.get("memory_cap_bytes"))
+        and _opt(lambda c: isinstance(c, list) and len(c) == 2 and all(_int(x) for x in c))(
+            v.get("capability")
+        )
+        and _opt(lambda b: isinstance(b, bool))(v.get("bf16_supported"))
+        and _opt(_str)(v.get("torch_cuda"))
+        and _opt(_int)(v.get("index"))
+    ),
+    "not_measured": _list_of(_str),
+    "memdoctor_version": _str,
+}
+EVENT = {
+    "kind": _str,
+    "message": _str,
+    "exception_type": _opt(_str),
+    "traceback": _opt(lambda v: _list_of(_str)(v) or _str(v)),
+    "step": _opt(_int),
+    "phase": _opt(_str),
+    "model": _opt(_int),
+    "module": _opt(_int),
+    "module_name": _opt(_str),
+    "exit_code": _opt(_signed_int),
+    "t_unix": _opt(_num),
+}
+END = {
+    "status": _str,
+    "exit_code": _opt(_signed_int),
+    "signal": _opt(_str),
+    "message": _str,
+    "steps_recorded": _opt(_int),
+    "duration_s": _opt(_num),
+    "memdoctor_exit_code": _opt(_signed_int),
+}
+MEMORY = {
+    "peak_bytes": _opt(_int),
+    "peak_source": _opt(_str),
+    "peak_t_ms": _opt(_num),
+    "peak_phase": _opt(_str),
+    "peak_model": _opt(_int),
+    "peak_module": _opt(_int),
+    "categories_at_peak": _opt(_dict_of(_opt(_signed_int))),
+    "accounted_bytes": _opt(_int),
+    "allocator": _opt(_dict_of(_opt(_signed_int))),
+    "peak_ledger": _opt(
+        lambda v: (
+            isinstance(v, dict)
+            and _dict_of(_signed_int)(v.get("categories"))
+            and _list_of(lambda p: isinstance(p, list) and len(p) == 2 and _str(p[0]) and _int(p[1]))(
+                v.get("temporaries_by_site", [])
+            )
+            and all(_opt(_int)(v.get(k)) for k in ("peak_allocated", "baseline", "entries"))
+        )
+    ),
+}
+TIMELINE_TYPES: dict[str, Check] = {
+    "t_ms": _num,
+    "event": _str,
+    "phase": _str,
+    "depth": _signed_int,
+    "model": _opt(_int),
+    "module": _opt(_int),
+}
+
+
+def _fields(record: dict[str, Any], spec: dict[str, Check], what: str) -> None:
+    for key, check in spec.items():
+        if key in record and not check(record[key]):
+            raise ValueError(f"{what}.{key} has an invalid value")
+
+
+def check_header(header: dict[str, Any]) -> None:
+    _fields(header, HEADER, "header")
+
+
+def check_event(event: dict[str, Any]) -> None:
+    _fields(event, EVENT, "event")
+
+
+def check_end(end: dict[str, Any]) -> None:
+    _fields(end, END, "end")
+
+
+def check_step(step: Any) -> None:
+    """The fields of one step record that readers use (a ``memdoctor.trace.StepRecord``)."""
+    _fields(step.memory, MEMORY, "step.memory")
+    if not _dict_of(_num)(step.phases_ms):
+        raise ValueError("step.phases_ms must map phases to milliseconds")
+    _check_timeline(step.timeline)
+
+
+def _check_timeline(tl: dict[str, Any]) -> None:
+    lengths = {len(col) for col in tl.values() if col is not None}
+    if len(lengths) > 1:
+        raise ValueError("step.timeline columns differ in length")
+    for key, col in tl.items():
+        if col is None:
+            continue
+        check = TIMELINE_TYPES.get(key, _opt(_signed_int))
+        if not all(check(v) for v in col):
+            raise ValueError(f"step.timeline.{key} holds an invalid value")
+
+
+def check_references(trace: Any) -> None:
+    """References between records: module columns, peak and timeline modules, events' modules."""
+    sizes = {m.index: len(m.names) for m in trace.models}
+    if len(sizes) != len(trace.models):
+        raise ValueError("two model records share an index")
+    for step in trace.steps:
+        for m, cols in step.modules.items():
+            if m not in sizes or any(len(col) != sizes[m] for col in cols.values()):
+                raise ValueError(f"step {step.step}: module columns do not match model {m}'s module table")
+        mem = step.memory
+        _check_ref(sizes, mem.get("peak_model"), mem.get("peak_module"), f"step {step.step}'s peak")
+        for model, module in zip(
+            step.timeline.get("model") or [], step.timeline.get("module") or [], strict=False
+        ):
+            _check_ref(sizes, model, module, f"step {step.step}'s timeline")
+    for ev in trace.events:
+        _check_ref(sizes, ev.get("model"), ev.get("module"), "an event")
+
+
+def _check_ref(sizes: dict[int, int], model: Any, module: Any, what: str) -> None:
+    if model is None and module is None:
+        return
+    if model is None or module is None or model not in sizes or not 0 <= module < sizes[model]:
+        raise ValueError(f"{what} names a module that is not in the trace")
