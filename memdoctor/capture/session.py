@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memdoctor.capture import history
+from memdoctor.capture import gradnorms, history
 from memdoctor.capture.discovery import (
     DiscoveredModel,
     describe_model,
@@ -337,6 +337,9 @@ class ProfileSession:
 
     def on_grad(self, param: torch.Tensor) -> None:
         """A parameter's gradient was accumulated (``register_post_accumulate_grad_hook``)."""
+        order = self._data.grad_order  # backward order, for the first module with a NaN/Inf gradient
+        if id(param) not in order:
+            order[id(param)] = len(order)
         if id(param) not in self._grads_counted and param.grad is not None:
             self._grads_counted.add(id(param))
             self._grads_live += storage_nbytes(param.grad)
@@ -384,6 +387,9 @@ class ProfileSession:
         if self.detailed(self._step_index):
             self._data.grad_bytes = self._grads_by_module()
             self._grads_live = sum(self._data.grad_bytes_total.values())
+            if self._data.grad_norms is None:  # the step's first optimizer: no parameter updated yet
+                # Launched on the device, never read here: build_step reads them once per step.
+                self._data.grad_norms = gradnorms.collect(self._flat_params)
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._done:
@@ -420,7 +426,7 @@ class ProfileSession:
             param_ptrs=self._param_ptrs,
             release=False,
         )
-        self.sink(rec.to_record())
+        self.sink(_step_record(rec, data))
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
         self._known_opts.add(id(opt))
@@ -604,8 +610,15 @@ class ProfileSession:
             detailed=self.detailed(data.step),
         )
         self.records.append(rec)
-        self.sink(rec.to_record())
+        self.sink(_step_record(rec, data))
         return rec
+
+
+def _step_record(rec: StepRecord, data: StepData) -> dict[str, Any]:
+    """The step's trace record, with its gradient-norm summary (``grad_norm``, null where not measured)."""
+    out = rec.to_record()
+    out["grad_norm"] = data.grad_norm_field
+    return out
 
 
 class _TensorHook:

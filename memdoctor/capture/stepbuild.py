@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from memdoctor.capture import gradnorms
 from memdoctor.device import Device
 from memdoctor.trace import StepRecord
 
@@ -57,6 +58,10 @@ class StepData:
     # module key -> [inclusive saved bytes, checkpoint-free bytes or None, calls] of the micro-batch
     # in progress; folded into the step by max (activations) and sum (calls).
     micro: dict[int, list[Any]] = field(default_factory=dict)
+    # Gradient norms (detailed steps): launched at the optimizer step, read in build_step only.
+    grad_norms: gradnorms.GradNorms | None = None
+    grad_order: dict[int, int] = field(default_factory=dict)  # parameter id -> backward accumulation rank
+    grad_norm_field: dict[str, Any] | None = None  # the step record's grad_norm, set by build_step
 
     def fold_micro(self) -> None:
         """Fold the finished micro-batch into the step: activations are the largest micro-batch's."""
@@ -127,6 +132,8 @@ def build_step(
         timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
         detail="full" if detailed else "timing",
     )
+    if detailed:
+        _add_grad_norms(data, record.modules)
     if not detailed:
         # A timing step has no module or saved-tensor hooks: its allocator peak is measured, but
         # not what made it up, and forward and backward are not told apart.
@@ -135,6 +142,21 @@ def build_step(
     if complete and release:
         device.release_markers(markers[:-1])
     return record
+
+
+def _add_grad_norms(data: StepData, modules: dict[int, dict[str, list[Any]]]) -> None:
+    """Read the step's gradient norms to the host (the step's GPU work is done by now) and add the
+    ``grad_norm`` and ``grad_nonfinite`` columns; ``data.grad_norm_field`` is the step's summary."""
+    data.grad_norm_field = None
+    if data.grad_norms is None:
+        return
+    sizes = {m: len(cols["calls"]) for m, cols in modules.items()}
+    try:
+        cols, data.grad_norm_field = gradnorms.step_figures(data.grad_norms, data.grad_order, sizes)
+    except RuntimeError:  # the device failed (a step cut short by a CUDA error): not measured
+        return
+    for m, extra in cols.items():
+        modules[m].update(extra)
 
 
 def _history_ledger(

@@ -172,3 +172,30 @@ def _mark_peak(ax: Any, series: dict[str, Any], scale: float) -> None:
         fontsize=8,
         fontweight="bold",
     )
+
+
+def grad_norms(chart: dict[str, Any] | None) -> str | None:
+    """Gradient norm per layer (first layer on top), one line per step, log scale; ``None`` when there
+    is nothing positive to draw (a zero, NaN or missing norm leaves a gap)."""
+    if not chart or not chart["layers"]:
+        return None
+    series = [[v if v is not None and v > 0 else float("nan") for v in st["norms"]] for st in chart["steps"]]
+    if not any(v == v for values in series for v in values):
+        return None
+    layers = chart["layers"]
+    with matplotlib.rc_context(_RC):
+        fig = _figure(9.0, 1.5 + 0.26 * len(layers))
+        ax = fig.axes[0]
+        y = list(range(len(layers)))
+        colors = matplotlib.colormaps["viridis"]
+        for k, (st, x) in enumerate(zip(chart["steps"], series, strict=True)):
+            color = colors(k / max(1, len(series) - 1) * 0.85)
+            label = f"step {st['step']}" + (" (warm-up)" if st["warmup"] else "")
+            ax.plot(x, y, marker="o", markersize=3.5, linewidth=0.9, color=color, label=label)
+        ax.set_xscale("log")
+        ax.set_yticks(y, [_short(n) for n in layers])
+        ax.invert_yaxis()
+        ax.set_xlabel("gradient L2 norm (log scale)")
+        ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+        ax.legend(loc="lower right", frameon=False, ncols=4, bbox_to_anchor=(1.0, 1.0))
+    return svg_data_uri(fig)

@@ -129,6 +129,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "timeline_chart": _timeline_chart(trace, limit, limit_label),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
         "timeline_skipped_ms": an.timeline_series(step)["skipped_ms"] if step is not None else 0.0,
+        "grad_chart": plots.grad_norms(an.grad_norm_chart(trace)),
         "steps": summary["steps"],
         "phases": _phase_names(summary),
         "events": _event_rows(trace, summary),
