@@ -49,6 +49,7 @@ def main() -> None:
             opt.zero_grad()
             if session._done:
                 break
+    writer.write({"type": "end", "status": "completed", "message": "in-process run", "exit_code": 0})
     writer.close()
     profile_s = time.perf_counter() - t0
     t1 = time.perf_counter()

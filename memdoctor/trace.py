@@ -113,11 +113,13 @@ class StepRecord:
     timeline: dict[str, list[Any] | None]
     timeline_stride: int = 1
     detail: str = "full"  # "full": the per-module ledger; "timing": step time and allocator peak only
+    grad_norm: dict[str, Any] | None = None  # {global, nonfinite_modules, first_nonfinite}, when measured
 
     def to_record(self) -> dict[str, Any]:
         return {
             "type": "step",
             "detail": self.detail,
+            **({"grad_norm": self.grad_norm} if self.grad_norm is not None else {}),
             "step": self.step,
             "warmup": self.warmup,
             "complete": self.complete,
@@ -153,6 +155,7 @@ class StepRecord:
             timeline=timeline,
             timeline_stride=_int(rec, "timeline_stride", 1),
             detail="timing" if rec.get("detail") == "timing" else "full",
+            grad_norm=rec["grad_norm"] if isinstance(rec.get("grad_norm"), dict) else None,
         )
 
 
@@ -298,6 +301,12 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
             raise TraceError(f"{p}: record {n} is invalid ({_short(exc)}); the trace is corrupt") from None
     if trace is None:
         raise TraceError(f"{p}: no header record; not a memdoctor trace")
+    if trace.end is None and not salvage:
+        # Records are whole gzip members, so a cut at a record boundary still decompresses: the
+        # missing end record is what tells a truncated (or still running) trace from a finished one.
+        raise TraceError(
+            f"{p}: the trace has no end record: it was cut short (truncated, or its run has not finished)"
+        )
     try:
         tracecheck.check_references(trace)
     except ValueError as exc:
@@ -369,7 +378,7 @@ def _check_header(p: Path, rec: dict[str, Any]) -> dict[str, Any]:
 
 def _with_defaults(header: dict[str, Any]) -> dict[str, Any]:
     """Optional header fields, filled in (old traces keep loading; readers need not check)."""
-    sections = {
+    sections: dict[str, dict[str, Any]] = {
         "command": {"argv": [], "script": None, "module": None, "cwd": None},
         "settings": {"warmup": 0, "steps": 0, "budget_bytes": None},
         "device": {

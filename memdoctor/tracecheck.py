@@ -163,6 +163,10 @@ def check_references(trace: Any) -> None:
     sizes = {m.index: len(m.names) for m in trace.models}
     if len(sizes) != len(trace.models):
         raise ValueError("two model records share an index")
+    for m in trace.models:
+        # named_modules() order: the root first, every module after its parent
+        if m.parents and (m.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(m.parents) if i)):
+            raise ValueError(f"model {m.index}'s module tree is not in named_modules() order")
     for step in trace.steps:
         for m, cols in step.modules.items():
             if m not in sizes or any(len(col) != sizes[m] for col in cols.values()):

@@ -377,6 +377,7 @@ def test_ctrl_c_exits_130(supervisor: FakeSupervisor, capsys: pytest.CaptureFixt
 def _write_trace(path: Path, **header: Any) -> Path:
     writer = TraceWriter(path, fsync=False)
     writer.write({**make_header(), **header})
+    writer.write({"type": "end", "status": "completed", "message": "test trace"})
     writer.close()
     return path
 

@@ -494,6 +494,8 @@ def step_grad_norm(step: StepRecord) -> dict[str, Any] | None:
     trace's step field, recomputed); ``None`` where the step did not measure gradient norms."""
     if not _has_grad_norms(step):
         return None
+    if step.grad_norm is not None:
+        return step.grad_norm
     squares, ranked = 0.0, []
     for m in sorted(step.modules):
         cols = step.modules[m]

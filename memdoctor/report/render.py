@@ -149,7 +149,7 @@ def run_info(trace: Trace) -> dict[str, Any]:
         "host": trace.header.get("host") or {},
         "settings": trace.settings,
         "capability": trace.device.get("capability"),
-        "end": trace.end or {},
+        "end": {"status": "unknown", "message": "", **(trace.end or {})},  # in-process runs have no end
         "truncated": trace.truncated,
     }
 
