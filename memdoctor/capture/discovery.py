@@ -24,7 +24,6 @@ class DiscoveredModel:
     info: ModelInfo
     modules: list[nn.Module]  # aligned with info.names
     param_owner: dict[int, int] = field(default_factory=dict)  # id(param) -> module index
-    trainable_self_bytes: list[int] = field(default_factory=list)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -116,7 +115,7 @@ def describe_model(index: int, root: nn.Module, optimizers: list[torch.optim.Opt
         trainable_param_bytes=tbytes,
         optimizers=[_describe_optimizer(o, owner) for o in optimizers],
     )
-    return DiscoveredModel(info=info, modules=mods, param_owner=owner, trainable_self_bytes=tbytes)
+    return DiscoveredModel(info=info, modules=mods, param_owner=owner)
 
 
 def _describe_optimizer(opt: torch.optim.Optimizer, owner: dict[int, int]) -> dict[str, Any]:

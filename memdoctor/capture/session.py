@@ -386,7 +386,7 @@ class ProfileSession:
         self._sample("opt_pre", None, 0)
         if self.detailed(self._step_index):
             self._data.grad_bytes = self._grads_by_module()
-            self._grads_live = sum(self._data.grad_bytes_total.values())
+            self._grads_live = sum(self._data.grad_bytes.values())
             if self._data.grad_norms is None:  # the step's first optimizer: no parameter updated yet
                 # Launched on the device, never read here: build_step reads them once per step.
                 self._data.grad_norms = gradnorms.collect(self._flat_params)
@@ -478,7 +478,6 @@ class ProfileSession:
                 if key not in seen:
                     seen[key] = st.nbytes()
                     out[loc] = out.get(loc, 0) + seen[key]
-        self._data.grad_bytes_total = out
         self._data.grad_ptrs = seen
         return out
 

@@ -47,7 +47,6 @@ class StepData:
     bwd_open: dict[int, list[int]] = field(default_factory=dict)
     bwd_since_fwd: bool = False
     grad_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
-    grad_bytes_total: dict[tuple[int, int], int] = field(default_factory=dict)
     opt_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     # storage address -> bytes of the tensors of each category seen this step (for the history ledger)
     saved_ptrs: dict[int, int] = field(default_factory=dict)

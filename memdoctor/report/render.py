@@ -117,6 +117,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     """Everything the template reads: the summary plus tables and plots derived from the trace."""
     step = an.peak_step(trace)
     limit, limit_label = an.memory_limit(summary)
+    series = an.timeline_series(step) if step is not None else None
     return {
         "summary": summary,
         "summary_json": embed_json(summary),
@@ -126,9 +127,9 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "categories": category_rows(summary),
         "layers": an.layer_table(trace, step),
         "layer_chart": plots.layer_bars(an.top_layers(trace, step)) if step else None,
-        "timeline_chart": _timeline_chart(trace, limit, limit_label),
+        "timeline_chart": plots.timeline(series, limit, limit_label) if series else None,
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
-        "timeline_skipped_ms": an.timeline_series(step)["skipped_ms"] if step is not None else 0.0,
+        "timeline_skipped_ms": series["skipped_ms"] if series else 0.0,
         "grad_chart": plots.grad_norms(an.grad_norm_chart(trace)),
         "steps": summary["steps"],
         "phases": _phase_names(summary),
@@ -168,11 +169,6 @@ def category_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for c in CATEGORIES
     ]
-
-
-def _timeline_chart(trace: Trace, limit: int | None, label: str) -> str | None:
-    step = an.peak_step(trace)
-    return None if step is None else plots.timeline(an.timeline_series(step), limit, label)
 
 
 def _phase_names(summary: dict[str, Any]) -> list[str]:
