@@ -91,11 +91,12 @@ def overhead(out: Path, name: str, args: list[str], steps: int, md_args: list[st
         name,
         BERT,
         [*args, "--steps", str(steps + 10), "--timing-file", str(prof_file)],
-        ["--warmup", "2", "--steps", str(steps)],
+        ["--warmup", "2", "--steps", str(steps), *md_args],
     )
     bare, prof = step_times(bare_file, 3), step_times(prof_file, 3)
     res = {
         "name": name,
+        "memdoctor_args": list(md_args),
         "bare_ms": _median(bare),
         "profiled_ms": _median(prof),
         "n_bare": len(bare),
@@ -132,6 +133,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", default="accuracy,traces,overhead")
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each overhead pair")
+    ap.add_argument(
+        "--collect",
+        default="none",
+        help="memdoctor's --collect for the overhead runs: none (memory ledger only), all, or a list; "
+        "a comma-free list of several settings separated by '+' runs each (e.g. none+all)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -161,15 +169,25 @@ def main() -> None:
             ),
         ]
     if "overhead" in only:
-        results["overhead"] += [
-            overhead(args.out, "overhead-bert-b32-s512-fp32", [], 8),
+        launch = ["--batch-size", "8", "--seq-len", "128", "--bf16"]
+        for collect in args.collect.split("+"):
+            md = ["--collect", collect]
+            for r in range(args.repeat):
+                tag = f"{collect.replace(',', '-')}-r{r}"
+                results["overhead"] += [
+                    overhead(args.out, f"overhead-bert-b32-s512-fp32-{tag}", [], 8, md),
+                    overhead(args.out, f"overhead-bert-b8-s128-bf16-{tag}", launch, 20, md),
+                ]
+    if "depth1" in only:
+        results["overhead"].append(
             overhead(
                 args.out,
-                "overhead-bert-b8-s128-bf16",
+                "overhead-bert-b8-s128-bf16-depth1",
                 ["--batch-size", "8", "--seq-len", "128", "--bf16"],
                 20,
-            ),
-        ]
+                ["--collect", "none", "--time-depth", "1"],
+            )
+        )
     (args.out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
     print(json.dumps(results, indent=1, sort_keys=True))
 

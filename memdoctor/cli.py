@@ -283,6 +283,14 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
         "are the script's own; on a CPU every step. 'all': every step",
     )
     p.add_argument(
+        "--collect",
+        type=_arg_type(_collectors),
+        default="all",
+        metavar="all|none|NAME,...",
+        help="instruments beyond the memory ledger: all (default), none (the memory ledger and gradient "
+        "norms only), or a comma list of device, nvtx, data, transfers, histograms, flops",
+    )
+    p.add_argument(
         "--time-depth",
         type=_arg_type(_time_depth),
         default=None,
@@ -316,6 +324,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         timeout_s=ns.timeout,
         time_depth=ns.time_depth,
         detail=ns.detail,
+        collect=ns.collect,
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     _say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
@@ -342,7 +351,17 @@ _MEMDOCTOR_PROFILE_OPTIONS = (
     "--timeout",
     "--time-depth",
     "--detail",
+    "--collect",
 )
+
+
+def _collectors(text: str) -> list[str]:
+    from memdoctor.capture.collectors import parse_names
+
+    try:
+        return parse_names(text)
+    except ValueError as exc:
+        raise UsageError(f"--collect: {exc}") from None
 
 
 def _time_depth(text: str) -> int | None:

@@ -114,12 +114,15 @@ class StepRecord:
     timeline_stride: int = 1
     detail: str = "full"  # "full": the per-module ledger; "timing": step time and allocator peak only
     grad_norm: dict[str, Any] | None = None  # {global, nonfinite_modules, first_nonfinite}, when measured
+    # What each collector measured in this step (memdoctor.capture.collectors): name -> its data.
+    collectors: dict[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
         return {
             "type": "step",
             "detail": self.detail,
             **({"grad_norm": self.grad_norm} if self.grad_norm is not None else {}),
+            **({"collectors": self.collectors} if self.collectors else {}),
             "step": self.step,
             "warmup": self.warmup,
             "complete": self.complete,
@@ -156,6 +159,7 @@ class StepRecord:
             timeline_stride=_int(rec, "timeline_stride", 1),
             detail="timing" if rec.get("detail") == "timing" else "full",
             grad_norm=rec["grad_norm"] if isinstance(rec.get("grad_norm"), dict) else None,
+            collectors=_dict(rec, "collectors", {}),
         )
 
 
@@ -168,6 +172,8 @@ class Trace:
     steps: list[StepRecord] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
+    # Run-wide facts from collectors (``collector`` records): name -> data; the last record wins.
+    collected: dict[str, dict[str, Any]] = field(default_factory=dict)
     path: str | None = None
     truncated: bool = False  # only ever True for a trace loaded with salvage=True
 
@@ -192,6 +198,7 @@ class Trace:
         out += [m.to_record() for m in self.models]
         out += [s.to_record() for s in self.steps]
         out += [dict(e, type="event") for e in self.events]
+        out += [{"type": "collector", "name": k, "data": v} for k, v in self.collected.items()]
         if self.end is not None:
             out.append(dict(self.end, type="end"))
         return out
@@ -416,6 +423,8 @@ def _add_record(trace: Trace, rec: dict[str, Any]) -> None:
     elif kind == "end":
         trace.end = {k: v for k, v in rec.items() if k != "type"}
         tracecheck.check_end(trace.end)
+    elif kind == "collector":
+        trace.collected[_name(rec.get("name"))] = _dict(rec, "data", {})
     elif kind == "header":
         raise ValueError("a second header record")
     # Unknown record types come from newer minor versions: ignored, as documented.

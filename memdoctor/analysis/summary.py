@@ -15,6 +15,7 @@ import statistics
 from typing import Any
 
 import memdoctor
+from memdoctor.analysis import sections
 from memdoctor.trace import CATEGORIES, PHASES, ModelInfo, StepRecord, Trace
 from memdoctor.units import format_bytes
 
@@ -68,6 +69,7 @@ def build_summary(trace: Trace) -> dict[str, Any]:
         "grad_norm": grad_norm_series(trace),
         "grad_flags": grad_flags(trace),
     }
+    sections.summarize(trace, summary)
     summary["headline"] = headline(summary)
     return summary
 

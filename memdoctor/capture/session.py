@@ -18,6 +18,7 @@ are resolved and the step record is built once per step, so no hook synchronises
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.capture import gradnorms, history
+from memdoctor.capture.collectors import Collector
 from memdoctor.capture.discovery import (
     DiscoveredModel,
     describe_model,
@@ -77,8 +79,14 @@ class ProfileSession:
         time_depth: int | None = None,
         timed_calls_budget: int = 96,
         detail: str = "auto",
+        collectors: list[Collector] | None = None,
     ) -> None:
         self.steps = steps
+        # Instruments beyond the ledger (memdoctor.capture.collectors); those that want module calls
+        # are called from the module hooks of detailed steps.
+        self.collectors: list[Collector] = list(collectors or [])
+        self._mod_collectors: tuple[Collector, ...] = tuple(c for c in self.collectors if c.wants_modules)
+        self._opt_notified = -1
         self.warmup = warmup
         self.sink: Sink = sink or (lambda rec: None)
         self.device = device or default_device()
@@ -148,6 +156,9 @@ class ProfileSession:
         if self.detailed(0):
             self._module_hooks(True)
         self._running = True
+        for c in list(self.collectors):
+            self._call(c, "start", self)
+        self._notify_step_start()
         self._data.t0_unix = time.time()
         self._start_history()
         self._sample("step_start", None, 0)
@@ -158,6 +169,10 @@ class ProfileSession:
             handle.remove()
         self._handles, self._param_handles = [], []
         self._module_hooks(False)
+        if self._running:
+            for c in self.collectors:
+                with contextlib.suppress(Exception):  # one failing teardown must not stop the others'
+                    c.stop()
         self._running = False
 
     def detailed(self, step: int) -> bool:
@@ -231,6 +246,56 @@ class ProfileSession:
             "module_name": name,
         }
 
+    # ------------------------------------------------------------------------------ for collectors
+    def current_step(self) -> int:
+        """The step the script is in now: after a step's optimizer step (data loading for the next
+        step, say) that is already the next step, as it is in the step records."""
+        return self._step_index + (1 if self._data.opt_posts else 0)
+
+    def current_phase(self) -> str:
+        """``forward``, ``backward``, ``optimizer`` or ``other`` (between steps: data loading, logging)."""
+        return "other" if self._data.opt_posts else self._data.phase
+
+    def current_module(self) -> tuple[int, int] | None:
+        """``(model, module index)`` of the innermost module running forward, if known."""
+        return self._index.get(self._stack[-1].key) if self._stack else None
+
+    def locate(self, key: int) -> tuple[int, int] | None:
+        """``(model, module index)`` of the module with ``id(module) == key`` (None until discovered)."""
+        return self._index.get(key)
+
+    def module_count(self, model: int) -> int:
+        """How many modules model ``model``'s module table has (for per-module columns)."""
+        return len(self.models[model].modules) if 0 <= model < len(self.models) else 0
+
+    def emit(self, name: str, data: dict[str, Any]) -> None:
+        """Write a ``collector`` record: facts about the whole run (a later one of the same name
+        replaces an earlier one when the trace is read)."""
+        self.sink({"type": "collector", "name": name, "data": data})
+
+    def _call(self, c: Collector, method: str, *args: Any) -> Any:
+        try:
+            return getattr(c, method)(*args)
+        except Exception as exc:  # an instrument's failure must not fail the script
+            self._collector_failed(c, exc)
+            return None
+
+    def _collector_failed(self, c: Collector, exc: BaseException) -> None:
+        """Switch a failing collector off, say so in the trace, and carry on profiling."""
+        if c not in self.collectors:
+            return
+        self.collectors.remove(c)
+        self._mod_collectors = tuple(x for x in self._mod_collectors if x is not c)
+        with contextlib.suppress(Exception):
+            c.stop()
+        msg = f"the {c.name} collector failed and was switched off: {type(exc).__name__}: {exc}"
+        self.sink({"type": "event", "kind": "collector_failed", "message": msg[:400]})
+
+    def _notify_step_start(self) -> None:
+        step, detailed = self._step_index, self.detailed(self._step_index)
+        for c in list(self.collectors):
+            self._call(c, "on_step_start", step, detailed)
+
     # ------------------------------------------------------------------------------ module hooks
     def _fwd_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         # Hot path: runs for every module call. Deep (untimed) modules only keep the stack for the
@@ -249,7 +314,11 @@ class ProfileSession:
             self._calls_at_depth[depth] = self._calls_at_depth.get(depth, 0) + 1
         if self.time_depth is not None and depth > self.time_depth:
             stack.append(_Frame(id(module), -1, self._data.saved_total, _NO_PTRS))
+            if self._mod_collectors:
+                self._collect_fwd_pre(module, depth, False)
             return
+        if self._mod_collectors:
+            self._collect_fwd_pre(module, depth, True)
         stack.append(_Frame(id(module), len(self._data.samples), self._data.saved_total, _input_ptrs(args)))
         first = _first_grad_tensor(args)
         if first is not None:
@@ -268,6 +337,8 @@ class ProfileSession:
             acc = self._data.micro[key] = [0, 0, 0]
         acc[0] += incl
         acc[2] += 1
+        if self._mod_collectors:
+            self._collect_fwd_post(module, output, len(stack), frame.sample >= 0)
         if frame.sample < 0:
             acc[1] = None  # not measured for untimed modules: their inputs were not recorded
             return
@@ -281,6 +352,20 @@ class ProfileSession:
         if not stack and self._pending:
             # The forward's kernels are queued: building the last step's record now overlaps them.
             self._emit_ready(wait=False)
+
+    def _collect_fwd_pre(self, module: nn.Module, depth: int, timed: bool) -> None:
+        for c in self._mod_collectors:
+            try:
+                c.on_forward_pre(id(module), module, depth, timed)
+            except Exception as exc:
+                self._collector_failed(c, exc)
+
+    def _collect_fwd_post(self, module: nn.Module, output: Any, depth: int, timed: bool) -> None:
+        for c in self._mod_collectors:
+            try:
+                c.on_forward_post(id(module), module, output, depth, timed)
+            except Exception as exc:
+                self._collector_failed(c, exc)
 
     def _pop_frame(self, key: int) -> _Frame | None:
         # An exception inside a child skips its post hook: unwind to the frame of this module.
@@ -323,10 +408,15 @@ class ProfileSession:
                 self._param_ptrs[key] = storage_nbytes(p)
                 self._params_bytes += self._param_ptrs[key]
 
-    def on_backward(self, event: str, key: int, depth: int) -> None:
+    def on_backward(self, event: str, key: int, depth: int, grad: Any = None) -> None:
         """Called from tensor hooks, on autograd's thread, as a module's backward starts or ends."""
         data = self._data
         data.bwd_since_fwd = True
+        for c in self._mod_collectors:
+            try:
+                c.on_backward(event, key, depth, grad)
+            except Exception as exc:
+                self._collector_failed(c, exc)
         i = self._sample(event, key, depth)
         if event == "bwd_pre":
             data.bwd_open.setdefault(key, []).append(i)
@@ -384,6 +474,10 @@ class ProfileSession:
         if id(opt) not in self._known_opts:
             self._discover(opt)
         self._sample("opt_pre", None, 0)
+        if self._opt_notified != self._step_index:
+            self._opt_notified = self._step_index
+            for c in list(self.collectors):
+                self._call(c, "on_optimizer", self._step_index)
         if self.detailed(self._step_index):
             self._data.grad_bytes = self._grads_by_module()
             self._grads_live = sum(self._data.grad_bytes.values())
@@ -397,6 +491,8 @@ class ProfileSession:
         self._data.opt_bytes = self._opt_state_by_module()
         self._sample("opt_post", None, 0)
         self._data.opt_posts += 1
+        for c in list(self.collectors):
+            self._call(c, "on_optimizer_end", self._step_index)
         now, following = self.detailed(self._step_index), self.detailed(self._step_index + 1)
         if not (now and following):
             # The next step's hooks differ from this one's: close the step at its optimizer step and
@@ -426,7 +522,7 @@ class ProfileSession:
             param_ptrs=self._param_ptrs,
             release=False,
         )
-        self.sink(_step_record(rec, data))
+        self.sink(self._step_record(rec, data))
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
         self._known_opts.add(id(opt))
@@ -448,6 +544,8 @@ class ProfileSession:
         self._watch_grads(model)
         self._note_params(model.modules[0])
         self.sink(model.info.to_record())
+        for c in list(self.collectors):
+            self._call(c, "on_model", model.info.index, model.modules[0])
 
     def _watch_grads(self, model: DiscoveredModel) -> None:
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
@@ -552,6 +650,7 @@ class ProfileSession:
         if not first:
             self.device.reset_peak()
             self._start_history()
+            self._notify_step_start()
         if carry:
             self._data.samples.extend(carry)
 
@@ -609,15 +708,27 @@ class ProfileSession:
             detailed=self.detailed(data.step),
         )
         self.records.append(rec)
-        self.sink(_step_record(rec, data))
+        self.sink(self._step_record(rec, data))
         return rec
 
-
-def _step_record(rec: StepRecord, data: StepData) -> dict[str, Any]:
-    """The step's trace record, with its gradient-norm summary (``grad_norm``, null where not measured)."""
-    out = rec.to_record()
-    out["grad_norm"] = data.grad_norm_field
-    return out
+    def _step_record(self, rec: StepRecord, data: StepData) -> dict[str, Any]:
+        """The step's trace record, with its gradient-norm summary (``grad_norm``, null where not
+        measured) and what the collectors measured (``collectors``, extra ``modules`` columns)."""
+        out = rec.to_record()
+        out["grad_norm"] = data.grad_norm_field
+        fields: dict[str, Any] = {}
+        for c in list(self.collectors):
+            value = self._call(c, "step_field", rec.step)
+            if value is not None:
+                fields[c.name] = value
+            cols = self._call(c, "module_columns", rec.step) or {}
+            for model, extra in cols.items():
+                target = out["modules"].get(str(model))
+                if target is not None:
+                    target.update(extra)
+        if fields:
+            out["collectors"] = fields
+        return out
 
 
 class _TensorHook:
@@ -630,7 +741,7 @@ class _TensorHook:
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.session._running:
-            self.session.on_backward(self.event, self.key, self.depth)
+            self.session.on_backward(self.event, self.key, self.depth, grad)
 
 
 class _GradHook:

@@ -20,6 +20,7 @@ import jinja2
 from markupsafe import Markup
 
 import memdoctor
+from memdoctor.analysis import sections
 from memdoctor.analysis import summary as an
 from memdoctor.errors import OutputError
 from memdoctor.report import plots
@@ -131,6 +132,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
         "timeline_skipped_ms": series["skipped_ms"] if series else 0.0,
         "grad_chart": plots.grad_norms(an.grad_norm_chart(trace)),
+        "sections": sections.report_sections(trace, summary),
         "steps": summary["steps"],
         "phases": _phase_names(summary),
         "events": _event_rows(trace, summary),

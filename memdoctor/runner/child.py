@@ -31,6 +31,7 @@ def main() -> int:
     import torch
 
     from memdoctor import __version__
+    from memdoctor.capture.collectors import make_collectors
     from memdoctor.capture.session import ProfileSession
     from memdoctor.device import default_device
     from memdoctor.trace import TraceWriter, make_header
@@ -40,6 +41,7 @@ def main() -> int:
     cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
     described = device.describe()
     described["memory_cap_bytes"] = cap
+    collectors, unavailable = make_collectors(cfg.get("collect") or [], device=device)
     writer.write(
         make_header(
             memdoctor_version=__version__,
@@ -56,7 +58,8 @@ def main() -> int:
                 "platform": platform.platform(),
             },
             device=described,
-            not_measured=device.not_measured(),
+            not_measured=device.not_measured() + unavailable,
+            collectors=[c.name for c in collectors],
         )
     )
 
@@ -75,6 +78,7 @@ def main() -> int:
         on_done=stop,
         time_depth=cfg.get("time_depth"),
         detail=cfg.get("detail", "auto"),
+        collectors=collectors,
     )
     code = _run(cfg, session, writer)
     writer.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memdoctor import exitcodes
+from memdoctor.capture.collectors import parse_names
 from memdoctor.errors import TraceError
 from memdoctor.runner.child import ENV_VAR
 from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, Trace, load_trace, make_header, save_trace
@@ -36,6 +37,7 @@ class ProfileRequest:
     timeout_s: float | None = None
     time_depth: int | None = None
     detail: str = "auto"
+    collect: list[str] | str = "all"  # collector names (memdoctor.capture.collectors), or all / none
 
 
 @dataclass
@@ -108,6 +110,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "budget_bytes": req.budget_bytes,
         "time_depth": req.time_depth,
         "detail": req.detail,
+        "collect": req.collect if isinstance(req.collect, list) else parse_names(req.collect),
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,

@@ -1,0 +1,58 @@
+"""The report's instrument sections: one analysis module per collector, found by name.
+
+Each module named in ``SECTIONS`` may define
+
+* ``summarize(trace, summary) -> None``: add its keys to ``summary.json`` (top-level keys, and fields
+  of the rows in ``summary["layers"]``), always, with nulls where the trace did not measure them;
+* ``report_section(trace, summary) -> dict | None``: the context of its report section, which
+  ``templates/sections/<name>.html.j2`` renders as ``ctx`` (None: the section says "not measured").
+
+The analysis stays pure (no torch); plots are drawn by the module's ``report_section`` through
+``memdoctor.report.plots``. A module that is missing is skipped, so sections land one at a time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from memdoctor.trace import Trace
+
+# section name -> analysis module, in report order.
+SECTIONS: dict[str, str] = {
+    "devicefacts": "memdoctor.analysis.devicefacts",
+    "compute": "memdoctor.analysis.compute",
+    "data": "memdoctor.analysis.data",
+    "transfers": "memdoctor.analysis.transfers",
+    "precision": "memdoctor.analysis.precision",
+}
+
+
+def _modules() -> list[tuple[str, ModuleType]]:
+    out = []
+    for name, path in SECTIONS.items():
+        try:
+            out.append((name, importlib.import_module(path)))
+        except ModuleNotFoundError as exc:
+            if exc.name != path:  # the module exists but an import inside it failed: a real bug
+                raise
+    return out
+
+
+def summarize(trace: Trace, summary: dict[str, Any]) -> None:
+    """Let every section add its keys to ``summary``."""
+    for _, mod in _modules():
+        fn = getattr(mod, "summarize", None)
+        if fn is not None:
+            fn(trace, summary)
+
+
+def report_sections(trace: Trace, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """``[{name, template, ctx}]`` for the report, in order; ``ctx`` None means not measured."""
+    out = []
+    for name, mod in _modules():
+        fn = getattr(mod, "report_section", None)
+        if fn is not None:
+            out.append({"name": name, "template": f"sections/{name}.html.j2", "ctx": fn(trace, summary)})
+    return out
