@@ -119,6 +119,32 @@ def overhead(out: Path, name: str, args: list[str], steps: int, md_args: list[st
     return res
 
 
+class _Results(dict):
+    """The results, rewritten to disk after every run so that a suite cut short keeps what it measured."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(accuracy=_Saved(self), traces=_Saved(self), overhead=_Saved(self))
+        self.path = path
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self, indent=1, sort_keys=True))
+
+
+class _Saved(list):
+    def __init__(self, owner: _Results) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def append(self, item: dict) -> None:
+        super().append(item)
+        self.owner.save()
+
+    def __iadd__(self, items: list[dict]) -> _Saved:  # type: ignore[override]
+        for item in items:
+            self.append(item)
+        return self
+
+
 def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -144,7 +170,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     only = set(args.only.split(","))
-    results: dict[str, list[dict]] = {"accuracy": [], "traces": [], "overhead": []}
+    results: dict[str, list[dict]] = _Results(args.out / "results.json")
     if "accuracy" in only:
         results["accuracy"] += [
             profile(args.out, "bert-b32-s512-fp32-sdpa", BERT, ["--steps", "20"]),
