@@ -48,6 +48,23 @@ def test_peak_blocks_are_attributed_by_address_and_site():
     assert led["temporaries_by_site"][0][0] == "functional.py:3 (cross_entropy) <- train.py:42 (main)"
 
 
+def test_baseline_blocks_freed_before_the_peak_are_not_counted():
+    # The record starts after the last step's optimizer step: its gradients (addr 900) are live, then
+    # zero_grad frees them, then the step allocates past the start.
+    entries = [_free(900, 800), _alloc(100, 1000), _alloc(300, 4000, LOSS)]
+    led = ledger_at_peak(
+        entries,
+        baseline=7000 + 800,
+        baseline_known={"parameters": 5000, "optimizer_state": 1500},
+        known={"activations": {100: 1000}, "parameters": {}},
+    )
+    assert led is not None
+    cats = led["categories"]
+    assert led["peak_allocated"] == 7000 + 1000 + 4000
+    assert cats["unattributed"] == 500
+    assert sum(cats.values()) == led["peak_allocated"]
+
+
 def test_reused_address_of_a_freed_activation_is_a_temporary():
     entries = [_alloc(100, 1024), _free(100, 1024), _alloc(100, 4096, LOSS)]
     led = ledger_at_peak(entries, baseline=0, baseline_known={}, known={"activations": {100: 1000}})

@@ -88,6 +88,22 @@ def _live_at(entries: list[dict[str, Any]], upto: int) -> dict[int, dict[str, An
     return live
 
 
+def _freed_from_baseline(entries: list[dict[str, Any]], upto: int) -> int:
+    """Bytes freed up to entry ``upto`` of blocks allocated before the record started."""
+    born: set[int] = set()
+    freed = 0
+    for e in entries[: upto + 1]:
+        action, addr = e.get("action"), int(e.get("addr", -1))
+        if action == "alloc":
+            born.add(addr)
+        elif action == "free_completed":
+            if addr in born:
+                born.discard(addr)
+            else:
+                freed += int(e.get("size", 0))
+    return freed
+
+
 def _match(ptrs: dict[int, int], entry: dict[str, Any]) -> int | None:
     nbytes = ptrs.get(int(entry.get("addr", -1)))
     if nbytes is None:
@@ -151,7 +167,10 @@ def ledger_at_peak(
             sites[site] = sites.get(site, 0) + size
         else:
             cats[cat] += size
-    unattributed = max(0, baseline - sum(baseline_known.values()))
+    # Blocks that were live when the record started and were freed before the peak (the previous
+    # step's gradients, freed by zero_grad) are in the baseline but not at the peak.
+    freed_early = _freed_from_baseline(entries, peak_i)
+    unattributed = max(0, baseline - freed_early - sum(baseline_known.values()))
     top = sorted(sites.items(), key=lambda kv: -kv[1])[:TOP_SITES]
     peak_entry = entries[peak_i]
     return {

@@ -99,11 +99,13 @@ class ProfileSession:
         self.timed_calls_budget = timed_calls_budget
         self._calls_at_depth: dict[int, int] = {}
         self._pending: list[tuple[object, int, bool]] = []
-        # The allocator's history is recorded for the first and the last profiled step (CUDA only).
+        # The allocator's history is recorded for the first step and the first and last profiled steps
+        # (CUDA only).
         self._history = (
             history.HistoryRecorder() if history.available() and self.device.kind == "cuda" else None
         )
-        self._history_steps = {0, warmup + steps - 1}
+        # Step 0 too: a script that runs out of memory usually does so in its first step.
+        self._history_steps = {0, warmup, warmup + steps - 1}
         # Which steps get the full per-module ledger. On CUDA ("auto"): the warm-up steps and the first
         # and last profiled steps; the steps between are timing steps, with only the optimizer hooks
         # and the allocator's peak, so their step times are those of the script without memdoctor's
