@@ -1,7 +1,8 @@
 """Fixtures shared by every test.
 
 The autouse ``no_leaked_hooks`` fails a test that leaves memdoctor's global state behind: the profiler
-installs global module and optimizer hooks, saved-tensor hooks and threads, and a leak would silently
+installs global module and optimizer hooks, saved-tensor hooks and threads, and its collectors wrap a few
+torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...); a leak would silently
 change every later test (and, in a user's process, every later step).
 """
 
@@ -70,12 +71,61 @@ def _memdoctor_threads(before: set[int]) -> list[threading.Thread]:
     return [
         t
         for t in threading.enumerate()
-        if t.ident not in before and not t.daemon and t.name.startswith(_THREAD_PREFIX) and t.is_alive()
+        if t.ident not in before and t.name.startswith(_THREAD_PREFIX) and t.is_alive()
     ]
 
 
+# Classes whose functions a collector may wrap while profiling: (module, class). Torch's own module
+# functions are checked by name only: torch replaces some itself on first use (torch._dynamo wraps
+# torch.manual_seed when it is imported).
+_TORCH_FUNCTIONS = ("tensor", "as_tensor", "asarray", "from_numpy")
+_PATCHABLE = (
+    ("torch", "Tensor"),
+    ("torch.nn.modules.module", "Module"),
+    ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
+    ("torch.utils.data.dataloader", "DataLoader"),
+)
+
+
+def patchable_snapshot() -> dict[tuple[str, str, str], Any]:
+    """Every callable attribute of the patchable owners, by identity (owners not imported are skipped)."""
+    out: dict[tuple[str, str, str], Any] = {}
+    torch = sys.modules.get("torch")
+    for name in _TORCH_FUNCTIONS if torch is not None else ():
+        out[("torch", "", name)] = vars(torch).get(name)
+    for mod_name, attr in _PATCHABLE:
+        owner = getattr(sys.modules.get(mod_name), attr, None)
+        if owner is None:
+            continue
+        for name in list(vars(owner)):  # absent names too: a patch may add one (Tensor.to is inherited)
+            out[(mod_name, attr, name)] = vars(owner).get(name)
+        for name in _TENSOR_METHODS if attr == "Tensor" else ():
+            out.setdefault((mod_name, attr, name), None)
+    return out
+
+
+# Inherited from torch._C.TensorBase, so absent from vars(torch.Tensor) until something patches them.
+_TENSOR_METHODS = ("to", "cuda", "cpu", "copy_", "item", "tolist", "numpy", "pin_memory", "__array__")
+
+
+def leaked_patches(before: dict[tuple[str, str, str], Any]) -> list[str]:
+    """Attributes replaced during the test (restored here, so one leak does not fail later tests)."""
+    leaks = []
+    for (mod_name, attr, name), value in before.items():
+        module = sys.modules.get(mod_name)
+        owner = module if not attr else getattr(module, attr, None)
+        if owner is None or vars(owner).get(name) is value:
+            continue
+        leaks.append(f"{mod_name}.{attr + '.' if attr else ''}{name}")
+        if value is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
+    return leaks
+
+
 def leaked_threads(before: set[int]) -> list[str]:
-    """Non-daemon ``memdoctor*`` threads started during the test and still alive after a short grace."""
+    """``memdoctor*`` threads started during the test and still alive after a short grace."""
     deadline = time.monotonic() + _THREAD_GRACE_S
     for thread in _memdoctor_threads(before):
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -88,12 +138,15 @@ def no_leaked_hooks() -> Iterator[None]:
     if already:
         _clear_hooks()
     threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    patched_before = patchable_snapshot()
     yield
     hooks = leaked_hooks()
     threads = leaked_threads(threads_before)
+    patches = leaked_patches(patched_before)
     if hooks:
         _clear_hooks()
     problems = [f"global torch hooks left installed: {', '.join(hooks)}"] if hooks else []
-    problems += [f"non-daemon threads left running: {', '.join(threads)}"] if threads else []
+    problems += [f"threads left running: {', '.join(threads)}"] if threads else []
+    problems += [f"functions left patched: {', '.join(patches)}"] if patches else []
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
