@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from memdoctor.api import profile
 from memdoctor.errors import MemdoctorError, TraceError, UsageError
 from memdoctor.trace import FORMAT_VERSION, Trace, load_trace
 
@@ -15,4 +16,5 @@ __all__ = [
     "UsageError",
     "__version__",
     "load_trace",
+    "profile",
 ]

@@ -448,6 +448,12 @@ def configure_report(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="overwrite report.html and summary.json in the output folder (nothing else is touched)",
     )
+    p.add_argument(
+        "--salvage",
+        action="store_true",
+        help="read a trace that was cut short (no end record: a crashed in-process run, a .partial file) "
+        "up to its last whole record; the report says it is incomplete",
+    )
     p.epilog = "exit codes: 0 written; 2 usage or output folder error; 3 unreadable trace"
 
 
@@ -457,7 +463,10 @@ def report_command(ns: argparse.Namespace) -> int:
     path: Path = ns.trace
     if path.is_dir() and (path / TRACE_FILENAME).is_file():
         path = path / TRACE_FILENAME
-    trace = load_trace(path)
+    trace = load_trace(path, salvage=ns.salvage)
+    if trace.end is None:  # --salvage of a run that never finished: say so in the report
+        msg = "the trace has no end record: the run was cut short (or is still running)"
+        trace.end = {"message": msg, "steps_recorded": len(trace.steps)}  # no status: not known
     out = report_output_dir(path, ns.output, force=ns.force)
     if out.note:
         _say(out.note)

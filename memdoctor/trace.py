@@ -312,7 +312,8 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
         # Records are whole gzip members, so a cut at a record boundary still decompresses: the
         # missing end record is what tells a truncated (or still running) trace from a finished one.
         raise TraceError(
-            f"{p}: the trace has no end record: it was cut short (truncated, or its run has not finished)"
+            f"{p}: the trace has no end record: it was cut short (truncated, or its run has not "
+            "finished); `memdoctor report --salvage` reads what it holds"
         )
     try:
         tracecheck.check_references(trace)

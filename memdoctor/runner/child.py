@@ -28,40 +28,14 @@ EXIT_STOPPED = 0
 
 def main() -> int:
     cfg = json.loads(os.environ.pop(ENV_VAR))
-    import torch
-
-    from memdoctor import __version__
-    from memdoctor.capture.collectors import make_collectors
     from memdoctor.capture.session import ProfileSession
     from memdoctor.device import default_device
-    from memdoctor.trace import TraceWriter, make_header
+    from memdoctor.trace import TraceWriter
 
     writer = TraceWriter(cfg["trace_path"])
     device = default_device()
-    cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
-    described = device.describe()
-    described["memory_cap_bytes"] = cap
-    collectors, unavailable = make_collectors(cfg.get("collect") or [], device=device)
-    writer.write(
-        make_header(
-            memdoctor_version=__version__,
-            created_unix=time.time(),
-            command=cfg["command"],
-            settings={
-                "warmup": cfg["warmup"],
-                "steps": cfg["steps"],
-                "budget_bytes": cfg.get("budget_bytes"),
-            },
-            host={
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "platform": platform.platform(),
-            },
-            device=described,
-            not_measured=device.not_measured() + unavailable,
-            collectors=[c.name for c in collectors],
-        )
-    )
+    collectors, header = start_run(cfg, device)
+    writer.write(header)
 
     def stop() -> None:
         writer.write(_event("stopped", f"stopped after {session.steps_recorded} steps, as requested", None))
@@ -83,6 +57,36 @@ def main() -> int:
     code = _run(cfg, session, writer)
     writer.close()
     return code
+
+
+def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Apply the memory cap, make the collectors and the trace header for a run described by ``cfg``
+    (``command``, ``warmup``, ``steps``, ``budget_bytes``, ``collect``)."""
+    import torch
+
+    from memdoctor import __version__
+    from memdoctor.capture.collectors import make_collectors
+    from memdoctor.trace import make_header
+
+    cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
+    described = device.describe()
+    described["memory_cap_bytes"] = cap
+    collectors, unavailable = make_collectors(cfg.get("collect") or [], device=device)
+    header = make_header(
+        memdoctor_version=__version__,
+        created_unix=time.time(),
+        command=cfg["command"],
+        settings={"warmup": cfg["warmup"], "steps": cfg["steps"], "budget_bytes": cfg.get("budget_bytes")},
+        host={
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        device=described,
+        not_measured=device.not_measured() + unavailable,
+        collectors=[c.name for c in collectors],
+    )
+    return collectors, header
 
 
 def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
