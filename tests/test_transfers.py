@@ -291,3 +291,18 @@ def test_recorded_gpu_traces_say_not_measured(path: Path) -> None:
     assert '<h2 id="transfers">' in html and '<h2 id="device-facts">' in html
     assert "Not measured: this trace has no transfer data" in html
     assert "Not measured: this trace has no device record" in html
+
+
+def test_compiled_code_traces_through_the_wrappers_without_a_graph_break() -> None:
+    col = collector()
+    session = ProfileSession(steps=1, warmup=0, collectors=[col])
+    session.start()
+    try:
+        compiled = torch.compile(
+            lambda x: (x.to(torch.float64) * 2).to(torch.float32), backend="eager", fullgraph=True
+        )
+        assert compiled(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+        torch.ones(2).to("meta")  # outside compiled code: still recorded
+    finally:
+        session.stop()
+    assert [c[:3] for c in col.logs[0].copies] == [("to", "h2d", 8)]

@@ -52,6 +52,9 @@ READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 READ_OPS = frozenset(n.strip("_") for n in READS)  # the ``op`` a read is logged as
 
 Reader = Callable[[], "tuple[int, int] | None"]
+# Under torch.compile, dynamo traces into the wrappers: the first thing each does is this check (which
+# dynamo understands), so a compiled region sees the original call and no bookkeeping to trace.
+_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _HERE = globals()
 
 
@@ -427,7 +430,7 @@ def _wrap_to(col: TransferCollector, orig: Any, name: str) -> Any:
     accel = col.accel
 
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if col.busy():
+        if _compiling() or col.busy():
             return orig(self, *args, **kwargs)
         target = _target(args, kwargs, accel)
         direction = _direction(self.device.type, target, accel) if target is not None else None
@@ -442,7 +445,7 @@ def _wrap_to(col: TransferCollector, orig: Any, name: str) -> Any:
 
 def _wrap_cuda(col: TransferCollector, orig: Any, name: str) -> Any:
     def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if col.busy() or self.device.type != "cpu":
+        if _compiling() or col.busy() or self.device.type != "cpu":
             return orig(self, *args, **kwargs)
         nb = _flag(args, kwargs, "non_blocking")
         return col.transfer("cuda", "h2d", self, int(self.nbytes), nb, orig, (self, *args), kwargs)
@@ -454,7 +457,7 @@ def _wrap_cpu(col: TransferCollector, orig: Any, name: str) -> Any:
     accel = col.accel
 
     def cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if col.busy() or self.device.type != accel:
+        if _compiling() or col.busy() or self.device.type != accel:
             return orig(self, *args, **kwargs)
         return col.transfer("cpu", "d2h", None, int(self.nbytes), False, orig, (self, *args), kwargs)
 
@@ -465,7 +468,7 @@ def _wrap_copy(col: TransferCollector, orig: Any, name: str) -> Any:
     accel = col.accel
 
     def copy_(self: torch.Tensor, src: Any, *args: Any, **kwargs: Any) -> Any:
-        if col.busy() or not isinstance(src, torch.Tensor):
+        if _compiling() or col.busy() or not isinstance(src, torch.Tensor):
             return orig(self, src, *args, **kwargs)
         direction = _direction(src.device.type, self.device.type, accel)
         if direction is None:
@@ -483,7 +486,12 @@ def _wrap_read(col: TransferCollector, orig: Any, name: str) -> Any:
     op = name.strip("_")
 
     def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if col.busy() or self.device.type != accel or (name == "numpy" and not _flag(args, kwargs, "force")):
+        if (
+            _compiling()
+            or col.busy()
+            or self.device.type != accel
+            or (name == "numpy" and not _flag(args, kwargs, "force"))
+        ):
             return orig(self, *args, **kwargs)
         nbytes = int(self.element_size()) if name != "tolist" else int(self.nbytes)
         return col.transfer(op, "d2h", None, nbytes, False, orig, (self, *args), kwargs)
@@ -494,7 +502,7 @@ def _wrap_read(col: TransferCollector, orig: Any, name: str) -> Any:
 
 def _wrap_pin(col: TransferCollector, orig: Any, name: str) -> Any:
     def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if col.busy():
+        if _compiling() or col.busy():
             return orig(self, *args, **kwargs)
         return col.pin(orig, self, args, kwargs)
 
@@ -507,7 +515,7 @@ def _wrap_factory(col: TransferCollector, orig: Any, name: str) -> Any:
 
     def factory(data: Any, *args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
-        if col.busy() or device is None or _device_type(device, accel) != accel:
+        if _compiling() or col.busy() or device is None or _device_type(device, accel) != accel:
             return orig(data, *args, **kwargs)
         if isinstance(data, torch.Tensor) and data.device.type != "cpu":
             return orig(data, *args, **kwargs)  # no host side: already on a device
