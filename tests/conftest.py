@@ -77,11 +77,11 @@ def _memdoctor_threads(before: set[int]) -> list[threading.Thread]:
 
 # Classes whose functions a collector may wrap while profiling: (module, class). Torch's own module
 # functions are checked by name only: torch replaces some itself on first use (torch._dynamo wraps
-# torch.manual_seed when it is imported).
+# torch.manual_seed when it is imported; and nn.Module.__init__ once torch.compile runs, which is why
+# Module is not checked: no collector patches it).
 _TORCH_FUNCTIONS = ("tensor", "as_tensor", "asarray", "from_numpy")
 _PATCHABLE = (
     ("torch", "Tensor"),
-    ("torch.nn.modules.module", "Module"),
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
     ("torch.utils.data.dataloader", "DataLoader"),
 )
