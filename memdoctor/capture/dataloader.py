@@ -148,10 +148,13 @@ class DataCollector(Collector):
         """Run one ``__next__`` of a DataLoader iterator, timed (the wrapper calls this)."""
         if threading.get_ident() != self._thread:  # another thread's prefetching: the loop did not wait
             t0 = time.perf_counter()
+            got = False
             try:
-                return original(it)
+                fetched = original(it)
+                got = True
+                return fetched
             finally:
-                self._safely(self._background, time.perf_counter() - t0)
+                self._safely(self._background, time.perf_counter() - t0, got)
         session = self._session
         step = session.current_step() if session is not None else 0
         m0 = self.device.marker() if self._device_markers else None
@@ -196,9 +199,9 @@ class DataCollector(Collector):
             fig.epoch_ends += 1
             self._hand_over(step, 0)
 
-    def _background(self, wait: float) -> None:
+    def _background(self, wait: float, got: bool) -> None:
         fig = self._figures(self._session.current_step() if self._session is not None else 0)
-        fig.bg_fetches += 1
+        fig.bg_fetches += got
         fig.bg_wait_s += wait
 
     def _hand_over(self, step: int, keep: int | None) -> None:
