@@ -427,3 +427,24 @@ def _section(html: str) -> str:
     match = re.search(r'<h2 id="data">.*?(?=<h2 )', html, re.S)
     assert match, "the data section is missing"
     return match.group(0)
+
+
+def test_raw_lists_are_skipped_quickly() -> None:
+    ids, mask = padded([2, 3])
+    field = batch_traits(
+        {"text": [list(range(512))] * 64, "input_ids": ids, "attention_mask": mask}
+    ).to_field(0)
+    assert field["shapes"] == {"input_ids": [2, 8], "attention_mask": [2, 8]} and field["real_tokens"] == 5
+
+
+class BrokenMarkers(FakeDevice):
+    def marker(self) -> Any:
+        raise RuntimeError("device lost")
+
+
+def test_a_failing_measurement_never_reaches_the_loop() -> None:
+    collector = DataCollector(device=BrokenMarkers())
+    records, seen, _ = run(DataLoader(Sleepy(LENGTHS), batch_size=2), collector=collector)
+    assert sorted(seen)[:4] == [0, 1, 2, 3]  # the script ran every step
+    assert "device lost" in facts(records)["failure"]
+    assert dl._BaseDataLoaderIter.__dict__["__next__"] is ORIGINAL_NEXT

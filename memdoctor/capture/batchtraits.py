@@ -26,6 +26,7 @@ import torch
 MAX_TENSORS = 32
 MAX_DEPTH = 3
 MAX_ITEMS = 64  # children looked at per container
+MAX_NODES = 512  # objects visited per batch (a batch of raw token lists is mostly ints)
 MAX_KEY = 64
 MAX_LENGTHS = 512  # lengths kept per batch; longer batches keep an evenly spaced sample
 IDS_NAMES = frozenset({"input_ids"})
@@ -44,7 +45,7 @@ class BatchTraits:
     tokens: int | None = None  # ids (or mask) elements: batch x padded length
     lengths: Any = None  # list[int], a device tensor until resolved, or None
     lengths_from: str | None = None
-    truncated: bool = False  # more tensors than MAX_TENSORS: shapes lists the first ones
+    truncated: bool = False  # a limit (MAX_TENSORS, MAX_NODES) cut the walk: shapes lists the first ones
     fetched_step: int | None = None
 
     def real_lengths(self) -> list[int] | None:
@@ -112,14 +113,18 @@ def named_tensors(batch: Any) -> tuple[Named, bool]:
 
 def _collect(roots: list[tuple[str, Any, bool]]) -> tuple[Named, bool]:
     out: Named = []
+    budget = [MAX_NODES]
     for key, obj, named in roots:
-        if _walk(obj, key, named, 1, out):
+        if _walk(obj, key, named, 1, out, budget):
             return out, True
     return out, False
 
 
-def _walk(obj: Any, path: str, named: bool, depth: int, out: Named) -> bool:
-    """Append the tensors under ``obj``; True when the MAX_TENSORS limit cut the walk short."""
+def _walk(obj: Any, path: str, named: bool, depth: int, out: Named, budget: list[int]) -> bool:
+    """Append the tensors under ``obj``; True when a limit (tensors, objects visited) cut the walk short."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return True
     if isinstance(obj, torch.Tensor):
         if len(out) >= MAX_TENSORS:
             return True
@@ -128,7 +133,8 @@ def _walk(obj: Any, path: str, named: bool, depth: int, out: Named) -> bool:
         return False
     if depth >= MAX_DEPTH:
         return False
-    return any(_walk(c, f"{path}.{k}", named and n, depth + 1, out) for k, c, n in _children(obj))
+    kids = _children(obj)
+    return any(_walk(c, f"{path}.{k}", named and n, depth + 1, out, budget) for k, c, n in kids)
 
 
 def _children(obj: Any) -> list[tuple[str, Any, bool]]:
@@ -139,6 +145,8 @@ def _children(obj: Any) -> list[tuple[str, Any, bool]]:
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         pairs = ((k, v, True) for k, v in zip(obj._fields, obj, strict=False))
     elif isinstance(obj, (tuple, list)):
+        if obj and isinstance(obj[0], (int, float, str, bytes)):
+            return []  # a list of numbers or strings (raw token ids, texts): no tensors inside
         pairs = ((i, v, False) for i, v in enumerate(obj))
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         pairs = ((f.name, getattr(obj, f.name, None), True) for f in dataclasses.fields(obj))
@@ -171,7 +179,8 @@ def _token_figures(traits: BatchTraits, found: Named, pad_token_id: int | None) 
     traits.tokens = matrix[1].numel()
     try:
         if mask is not None:
-            lengths, source = mask[1].ne(0).sum(dim=1), mask[0]
+            m = mask[1]
+            lengths, source = (m.ne(0) if m.is_floating_point() else m).sum(dim=1), mask[0]
         elif pad_token_id is not None and ids is not None:
             lengths, source = ids[1].ne(pad_token_id).sum(dim=1), f"{ids[0]} != {pad_token_id}"
         else:
@@ -211,10 +220,12 @@ def _integer(t: torch.Tensor) -> bool:
 
 
 def _looks_like_mask(t: torch.Tensor) -> bool:
-    """0/1 values, every row with a 1 in its first or last column (right or left padding)."""
+    """0/1 values, every row with a 1 in its first or last column (right or left padding). Host
+    tensors only (reading values back from a GPU would synchronise)."""
     if t.numel() == 0:
         return False
-    if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):  # host tensor: no GPU sync
-        return False
-    edge = t[:, 0].ne(0) | t[:, -1].ne(0)
-    return bool(edge.all())
+    if t.dtype != torch.bool:
+        lo, hi = torch.aminmax(t)
+        if int(lo) < 0 or int(hi) > 1:
+            return False
+    return bool((t[:, 0] | t[:, -1]).all())

@@ -157,12 +157,10 @@ class DataCollector(Collector):
                 self._safely(self._background, time.perf_counter() - t0, got)
         session = self._session
         step = session.current_step() if session is not None else 0
-        m0 = self.device.marker() if self._device_markers else None
+        m0 = self._edge(0)
         batch: Any = _NOTHING
         end = False
         t0 = time.perf_counter()
-        if self._nvtx is not None:
-            self._nvtx[0]()
         try:
             batch = original(it)
             return batch
@@ -171,10 +169,20 @@ class DataCollector(Collector):
             raise
         finally:
             wait = time.perf_counter() - t0
-            if self._nvtx is not None:
-                self._nvtx[1]()
-            m1 = self.device.marker() if m0 is not None else None
+            m1 = self._edge(1)
             self._safely(self._record, step, wait, (m0, m1), batch, end)
+
+    def _edge(self, which: int) -> Any:
+        """Open (0) or close (1) a fetch: the NVTX range, and a device marker (None on a CPU)."""
+        try:
+            if self._nvtx is not None:
+                self._nvtx[which]()
+            return self.device.marker() if self._device_markers else None
+        except Exception as exc:  # a device error here must not reach the script's loop
+            self._device_markers = False
+            self._nvtx = None
+            self._fail(exc)
+            return None
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -186,7 +194,7 @@ class DataCollector(Collector):
         fig = self._figures(step)
         fig.wait_s += wait
         fig.max_wait_s = max(fig.max_wait_s, wait)
-        if markers[0] is not None:
+        if markers[0] is not None and markers[1] is not None:
             fig.markers += markers
         if batch is not _NOTHING:
             fig.fetches += 1
