@@ -272,6 +272,11 @@ class ProfileSession:
         """``(model, module index)`` of the innermost module running forward, if known."""
         return self._index.get(self._stack[-1].key) if self._stack else None
 
+    def micro_batches(self) -> int:
+        """Forward passes (micro-batches) the step in progress has run so far; counted on steps that
+        record the per-module ledger only (0 on timing steps)."""
+        return self._data.forwards
+
     def locate(self, key: int) -> tuple[int, int] | None:
         """``(model, module index)`` of the module with ``id(module) == key`` (None until discovered)."""
         return self._index.get(key)
