@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from tracebuilder import TraceBuilder, tiny_mlp
 
@@ -117,6 +118,35 @@ def test_flops_land_on_the_module_that_ran_them_forward_and_backward() -> None:
     assert at[""][0] == 3 * head + shared == rec["collectors"]["flops"]["flops"]["total"]
     byte_col = column(rec, "flop_bytes")
     assert all(b > 0 for b in byte_col) and byte_col[0] >= max(byte_col[1:])
+
+
+class Checkpointed(nn.Module):
+    """A two-Linear block under activation checkpointing, then a head."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(IN, IN), nn.ReLU(), nn.Linear(IN, IN))
+        self.head = nn.Linear(IN, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.blk, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_counts_as_backward_of_the_recomputed_module(reentrant: bool) -> None:
+    records, _ = profile(Checkpointed(reentrant))
+    rec = steps_of(records)[0]
+    names = next(r for r in records if r["type"] == "model")["modules"]["name"]
+    at = dict(zip(names, zip(column(rec, "flops"), column(rec, "flops_backward"), strict=True), strict=True))
+    total = rec["collectors"]["flops"]["flops"]
+    lin = 2 * B * IN * IN
+    # the first Linear is recomputed in backward (both modes); a non-reentrant checkpoint stops
+    # recomputing once every saved tensor is back, before the last Linear's matmul
+    assert at["blk.0"] == (lin + 2 * lin + lin, 2 * lin + lin)
+    assert at["blk.2"] == ((4 if reentrant else 3) * lin, (3 if reentrant else 2) * lin)
+    assert at[""][0] == total["total"] and rec["collectors"]["flops"]["unattributed_flops"] == 0
+    assert total["forward"] == 2 * lin + 2 * B * IN * 2
 
 
 @pytest.mark.parametrize(("warmup", "expected"), [(0, 0), (1, 0), (2, 1)])

@@ -68,7 +68,10 @@ def not_measured_reason(trace: Trace) -> str:
             return str(event.get("message"))
     planned = (trace.collected.get(NAME) or {}).get("measured_step")
     if planned is not None:
-        return f"step {planned}, the step chosen for counting, was not recorded (the run ended before it)"
+        return (
+            f"step {planned}, the step chosen for counting, has no FLOP count (the run ended before it, "
+            "or no module of the trained model ran in it)"
+        )
     return "this trace has no FLOP count (recorded without the flops collector, or by an earlier memdoctor)"
 
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 COUNTER = "torch.utils.flop_counter"
 TOP_OPS = 20
+RETRY = 4  # outputs still without an autograd node, kept for a later look (see _CountingMode.resolve)
 PHASES = ("forward", "backward", "optimizer", "other")
 Tag = tuple[int, ...]  # id(module) of every module on the forward call stack, outermost first
 
@@ -75,8 +76,17 @@ class _Tally:
         self.by_dtype: dict[str, int] = {}
         self.unattributed = 0  # forward/backward FLOPs outside any module (a loss computed outside)
         self.formula_errors = 0
+        # On CUDA, autograd runs GPU nodes on its device thread while the calling thread may run CPU
+        # nodes of the same backward: both add here.
+        self._lock = threading.Lock()
 
     def add(self, name: str, phase: str, tag: Tag | None, flops: int, nbytes: int, dtype: str | None) -> None:
+        with self._lock:
+            self._add(name, phase, tag, flops, nbytes, dtype)
+
+    def _add(
+        self, name: str, phase: str, tag: Tag | None, flops: int, nbytes: int, dtype: str | None
+    ) -> None:
         self.flops[phase] += flops
         self.bytes[phase] += nbytes
         op = self.ops.get(name)
@@ -133,6 +143,7 @@ class _CountingMode(TorchDispatchMode):
         self.fwd_tag: Tag = ()
         self._stack: list[int] = []
         self._pending: tuple[list[torch.Tensor], Tag] | None = None
+        self._retry: list[torch.Tensor] = []
         # Nodes tagged since the last top-level call (an op may return a tensor whose node another op
         # made); nodes take no weak references, so this is cleared at each top-level call.
         self._tagged: set[Any] = set()
@@ -143,7 +154,7 @@ class _CountingMode(TorchDispatchMode):
     def enter_module(self, key: int) -> None:
         self.resolve()
         if not self._stack:  # a new top-level call: the earlier graph's nodes need no dedup any more
-            self._tagged = set()
+            self._tagged, self._retry = set(), []
         self._stack.append(key)
         self.fwd_tag = tuple(dict.fromkeys(self._stack))
 
@@ -156,37 +167,62 @@ class _CountingMode(TorchDispatchMode):
         self.fwd_tag = tuple(dict.fromkeys(stack))
 
     # -------------------------------------------------------------------- autograd node tags
-    def _bwd_tags(self) -> list[Tag]:
-        tags: list[Tag] | None = getattr(self._local, "tags", None)
+    def _bwd_tags(self) -> list[tuple[Tag, int]]:
+        """This thread's autograd nodes being run: (tag, forward stack depth at entry), innermost last."""
+        tags: list[tuple[Tag, int]] | None = getattr(self._local, "tags", None)
         if tags is None:
             tags = self._local.tags = []
         return tags
 
     def resolve(self) -> None:
-        """Tag the autograd nodes of the last forward op's outputs with that op's module stack."""
+        """Tag the autograd nodes of the last forward op's outputs with that op's module stack.
+
+        Outputs without a node are kept a little longer (the last ``RETRY`` of them): an autograd
+        ``Function`` (a reentrant checkpoint) gives its output a node only once its forward, run under
+        ``no_grad``, has returned; that node belongs to the module that applied it, the one running
+        when the node shows up."""
         pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is not None:
+            outs, tag = pending
+            for t in outs:
+                if t.grad_fn is not None:
+                    self._tag(t.grad_fn, tag)
+        if self._retry:
+            waiting = []
+            for t in self._retry:
+                if t.grad_fn is not None:
+                    self._tag(t.grad_fn, self.fwd_tag)
+                else:
+                    waiting.append(t)
+            self._retry = waiting
+        if pending is not None:
+            self._retry += [t for t in pending[0] if t.grad_fn is None]
+            del self._retry[:-RETRY]
+
+    def _tag(self, node: Any, tag: Tag) -> None:
+        if node is None or not tag or node in self._tagged:
             return
-        outs, tag = pending
-        for t in outs:
-            node = t.grad_fn
-            if node is None or node in self._tagged:
-                continue
-            self._tagged.add(node)
-            node.register_prehook(_EnterNode(self, tag))
-            node.register_hook(_LeaveNode(self))
+        self._tagged.add(node)
+        node.register_prehook(_EnterNode(self, tag))
+        node.register_hook(_LeaveNode(self))
 
     def enter_node(self, tag: Tag) -> None:
-        self._bwd_tags().append(tag)
+        # The forward stack's depth too: a checkpoint that recomputes modules inside this node may
+        # stop them early with an exception that skips their post hooks; leaving the node unwinds them.
+        self._bwd_tags().append((tag, len(self._stack)))
 
     def leave_node(self) -> None:
         tags = self._bwd_tags()
-        if tags:
-            tags.pop()
+        if not tags:
+            return
+        _, depth = tags.pop()
+        if len(self._stack) > depth:
+            del self._stack[depth:]
+            self.fwd_tag = tuple(dict.fromkeys(self._stack))
 
     def release(self) -> None:
         """Drop the references this step kept (nodes, pending outputs)."""
-        self._pending = None
+        self._pending, self._retry = None, []
         self._tagged = set()
 
     # -------------------------------------------------------------------- counting
@@ -195,26 +231,45 @@ class _CountingMode(TorchDispatchMode):
         if not self.active:
             return func(*args, **kwargs)
         self.resolve()
+        phase, tag = self._where()
         packet = func._overloadpacket
         if packet not in self.formulas and func is not torch.ops.prim.device.default:
             with self:  # composite ops: count the ops they decompose into (as FlopCounterMode does)
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
-                self._after(out)
+                self._after(out, tag)
                 return out
         out = func(*args, **kwargs)
-        self._count(func, packet, args, kwargs, out)
-        self._after(out)
+        self._count(func, packet, args, kwargs, out, phase, tag)
+        self._after(out, tag)
         return out
 
-    def _after(self, out: Any) -> None:
-        if self._bwd_tags() or not self.fwd_tag:
+    def _where(self) -> tuple[str, Tag | None]:
+        """The phase of the op about to run and the modules it belongs to.
+
+        In backward: the tag of the autograd node running it, plus the modules running forward inside
+        that node (a checkpoint recomputing them); outside any tagged node (a loss computed outside
+        the model, gradient accumulation) only the latter, usually none."""
+        tags = self._bwd_tags()
+        if tags:
+            return "backward", _recomputed(tags[-1][0], self.fwd_tag)
+        if _in_backward():
+            return "backward", self.fwd_tag or None
+        phase = self.phase()
+        return phase, self.fwd_tag if phase == "forward" else None
+
+    def _after(self, out: Any, tag: Tag | None) -> None:
+        """Keep the outputs of an op run inside a module's forward (also when a checkpoint recomputes
+        it in backward) until their autograd node exists."""
+        if not tag or not self.fwd_tag:
             return
         outs = [t for t in _tensors(out) if t.requires_grad or t.is_floating_point()]
         if outs:
-            self._pending = (outs, self.fwd_tag)
+            self._pending = (outs, tag)
 
-    def _count(self, func: Any, packet: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+    def _count(
+        self, func: Any, packet: Any, args: Any, kwargs: dict[str, Any], out: Any, phase: str, tag: Tag | None
+    ) -> None:
         tally = self.tally
         flops = 0
         formula = self.formulas.get(packet)
@@ -226,15 +281,6 @@ class _CountingMode(TorchDispatchMode):
         nbytes = 0
         if not getattr(func, "is_view", False):  # a view moves no data
             nbytes = _nbytes(args) + _nbytes(tuple(kwargs.values())) + _nbytes(out)
-        tags = self._bwd_tags()
-        tag: Tag | None = None
-        if tags:
-            phase, tag = "backward", tags[-1]
-        elif _in_backward():  # a node we did not tag: a loss outside the model, gradient accumulation
-            phase = "backward"
-        else:
-            phase = self.phase()
-            tag = self.fwd_tag if phase == "forward" else None
         tally.add(str(packet), phase, tag, flops, nbytes, _first_dtype(args) if flops else None)
 
 
@@ -383,6 +429,16 @@ def _fill_uncalled(parents: list[int], values: list[int | None]) -> list[int]:
         if p >= 0:
             sums[p] += value
     return [int(v or 0) for v in values]
+
+
+def _recomputed(node_tag: Tag, fwd_tag: Tag) -> Tag:
+    """The modules of an op a checkpoint recomputes inside an autograd node: the node's modules down
+    to (not including) the first module now running forward, then those (the recomputed module
+    is the one the node's tag already reached, or sits below its last module)."""
+    if not fwd_tag:
+        return node_tag
+    cut = node_tag.index(fwd_tag[0]) if fwd_tag[0] in node_tag else len(node_tag)
+    return tuple(dict.fromkeys(node_tag[:cut] + fwd_tag))
 
 
 _UNKNOWN = object()
