@@ -187,6 +187,19 @@ def test_the_mode_is_left_when_the_session_stops_mid_step() -> None:
     model(torch.randn(B, IN)).sum().backward()  # torch runs on without the mode
 
 
+def test_a_counting_failure_stops_counting_but_never_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memdoctor.capture import flops
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("counting bug")
+
+    monkeypatch.setattr(flops._CountingMode, "_count", broken)
+    records, _ = profile(Head(), steps=2, warmup=1)
+    data = steps_of(records)[0]["collectors"]["flops"]
+    assert data["complete"] is False and "counting bug" in data["error"]
+    assert len(steps_of(records)) == 3 and _get_current_dispatch_mode() is None
+
+
 def test_steps_other_than_the_measured_one_run_without_the_mode() -> None:
     seen: list[Any] = []
 

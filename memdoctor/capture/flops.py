@@ -149,6 +149,7 @@ class _CountingMode(TorchDispatchMode):
         self._tagged: set[Any] = set()
         self._local = threading.local()
         self.active = True
+        self.error: str | None = None  # why counting stopped early, if it did
 
     # -------------------------------------------------------------------- the forward call stack
     def enter_module(self, key: int) -> None:
@@ -230,19 +231,38 @@ class _CountingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
-        self.resolve()
-        phase, tag = self._where()
+        try:
+            self.resolve()
+            phase, tag = self._where()
+        except Exception as exc:
+            self.fail(exc)
+            return func(*args, **kwargs)
         packet = func._overloadpacket
         if packet not in self.formulas and func is not torch.ops.prim.device.default:
             with self:  # composite ops: count the ops they decompose into (as FlopCounterMode does)
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
-                self._after(out, tag)
+                self._book(None, packet, args, kwargs, out, phase, tag)
                 return out
-        out = func(*args, **kwargs)
-        self._count(func, packet, args, kwargs, out, phase, tag)
-        self._after(out, tag)
+        out = func(*args, **kwargs)  # the op itself: its errors are the script's, and propagate
+        self._book(func, packet, args, kwargs, out, phase, tag)
         return out
+
+    def _book(
+        self, func: Any, packet: Any, args: Any, kwargs: Any, out: Any, phase: str, tag: Tag | None
+    ) -> None:
+        """Count the op (``func`` None: it was decomposed, its parts were counted) and keep its outputs.
+        A failure here is memdoctor's, never the script's: counting stops and the field says why."""
+        try:
+            if func is not None:
+                self._count(func, packet, args, kwargs, out, phase, tag)
+            self._after(out, tag)
+        except Exception as exc:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        self.active = False
+        self.error = f"{type(exc).__name__}: {exc}"[:300]
 
     def _where(self) -> tuple[str, Tag | None]:
         """The phase of the op about to run and the modules it belongs to.
@@ -293,7 +313,8 @@ class _EnterNode:
         self.mode, self.tag = mode, tag
 
     def __call__(self, grad_outputs: Any) -> None:
-        self.mode.enter_node(self.tag)
+        with contextlib.suppress(Exception):  # runs inside the script's backward: never raise there
+            self.mode.enter_node(self.tag)
 
 
 class _LeaveNode:
@@ -305,7 +326,8 @@ class _LeaveNode:
         self.mode = mode
 
     def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        self.mode.leave_node()
+        with contextlib.suppress(Exception):
+            self.mode.leave_node()
 
 
 class FlopCollector(Collector):
@@ -364,7 +386,9 @@ class FlopCollector(Collector):
                 mode.__exit__(None, None, None)
         mode.release()
         if self._tally is not None:
-            self._field = self._tally.field(self._target, complete)
+            self._field = self._tally.field(self._target, complete and mode.error is None)
+            if mode.error is not None:
+                self._field["error"] = mode.error
 
     # -------------------------------------------------------------------- session hooks
     def on_forward_pre(self, key: int, module: nn.Module, depth: int, timed: bool) -> None:
