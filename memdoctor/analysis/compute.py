@@ -227,6 +227,7 @@ def compute_summary(trace: Trace) -> dict[str, Any] | None:
     return {
         "measured_step": step.step,
         "complete": bool(data.get("complete", True)),
+        "error": data.get("error") if isinstance(data.get("error"), str) else None,
         "counter": data.get("counter"),
         **tot,
         "flops_by_dtype": data.get("flops_by_dtype") or {},
