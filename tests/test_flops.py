@@ -352,3 +352,16 @@ def _env() -> dict[str, str]:
     import os
 
     return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_summary_step_time_leaves_out_the_counted_step() -> None:
+    from memdoctor.analysis.summary import unperturbed
+    from memdoctor.trace import StepRecord
+
+    def step(i: int, perturbed: bool) -> StepRecord:
+        extra = {"flops": {"perturbed": True}} if perturbed else {}
+        return StepRecord(i, False, True, 10.0 * (1 + 9 * perturbed), {}, 1, {}, {}, {}, collectors=extra)
+
+    steps = [step(0, True), step(1, False), step(2, False)]
+    assert [s.step for s in unperturbed(steps)] == [1, 2]
+    assert [s.step for s in unperturbed(steps[:1])] == [0]  # nothing else left: keep it

@@ -57,7 +57,7 @@ def build_summary(trace: Trace) -> dict[str, Any]:
         "budget_bytes": trace.settings.get("budget_bytes"),
         "not_measured": not_measured(trace),
         "steps_profiled": len(trace.profiled_steps()),
-        "step_time_ms": _median([s.duration_ms for s in trace.profiled_steps()]),
+        "step_time_ms": _median([s.duration_ms for s in unperturbed(trace.profiled_steps())]),
         "phases_ms": median_phases(trace.detailed_steps()),
         **peak_figures(trace, step),
         "layers": summary_layers(trace, step),
@@ -72,6 +72,13 @@ def build_summary(trace: Trace) -> dict[str, Any]:
     sections.summarize(trace, summary)
     summary["headline"] = headline(summary)
     return summary
+
+
+def unperturbed(steps: list[StepRecord]) -> list[StepRecord]:
+    """The steps whose time is the script's own: not the one step the flops collector slowed down by
+    counting every operation (``collectors.flops.perturbed``), unless no other step is left."""
+    clean = [s for s in steps if not (s.collectors.get("flops") or {}).get("perturbed")]
+    return clean or steps
 
 
 def peak_ledger(trace: Trace, step: StepRecord | None) -> dict[str, Any] | None:
