@@ -14,10 +14,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memdoctor.analysis import nvtx as nvtx_note
+from memdoctor.analysis.summary import build_summary
 from memdoctor.capture import nvtxranges
 from memdoctor.capture.collectors import CollectorUnavailable, make_collectors
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
+from memdoctor.report.render import render_report, report_context
+from tests.tracebuilder import completed_trace
 
 
 @dataclass
@@ -283,3 +287,15 @@ def test_missing_package_is_a_not_measured_note(monkeypatch: pytest.MonkeyPatch)
         nvtxranges.NvtxCollector()
     made, notes = make_collectors(["nvtx"], device=FakeDevice())
     assert made == [] and notes == ["nvtx: nvtx package not installed: pip install nvtx"]
+
+
+def test_report_note_says_how_to_see_the_ranges() -> None:
+    trace = completed_trace(layers=2)
+    assert nvtx_note.report_note(trace) is None  # no nvtx record (--collect left it out, old trace)
+    assert report_context(trace, build_summary(trace))["nvtx"] is None
+    trace.collected["nvtx"] = {"emitted": False, "domain": "memdoctor", "version": "0.2.17"}
+    note = nvtx_note.report_note(trace)
+    assert note is not None and note["emitted"] is False and "nsys profile" in note["command"]
+    assert 'id="nvtx"' in render_report(trace)
+    trace.collected["nvtx"]["emitted"] = True
+    assert report_context(trace, build_summary(trace))["nvtx"]["emitted"] is True
