@@ -20,6 +20,7 @@ import jinja2
 from markupsafe import Markup
 
 import memdoctor
+from memdoctor.analysis import nvtx as nvtx_note
 from memdoctor.analysis import sections
 from memdoctor.analysis import summary as an
 from memdoctor.errors import OutputError
@@ -135,6 +136,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "sections": sections.report_sections(trace, summary),
         "steps": summary["steps"],
         "phases": _phase_names(summary),
+        "nvtx": nvtx_note.report_note(trace),
         "events": _event_rows(trace, summary),
         "colors": plots.COLORS,
         "memdoctor_version": memdoctor.__version__,
