@@ -3,6 +3,7 @@ the per-module ledger; the steps between run with the optimizer hooks alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +51,59 @@ def test_cpu_profiles_every_step_in_full() -> None:
     _train(session, 6, [])
     details = {r["step"]: r["detail"] for r in records if r["type"] == "step"}
     assert details == {0: "full", 1: "full", 2: "full", 3: "full"}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputation_is_not_a_new_forward(reentrant: bool) -> None:
+    # Recomputed forwards run inside backward; non-reentrant checkpointing stops them early by
+    # raising. Neither may leave frames on the module stack or start a new micro-batch or step.
+    records: list[dict] = []
+    session = ProfileSession(steps=3, warmup=1, sink=records.append)
+    model = _Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    depth_after_backward = []
+    with session:
+        for _ in range(6):
+            model(torch.randn(4, 8, requires_grad=reentrant)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if session._done:
+                break
+            with torch.no_grad():  # a forward outside backward: stale frames would show here
+                model(torch.randn(2, 8))
+            if not session._done:  # (the forward that closes the last step stops the session)
+                depth_after_backward.append(len(session._stack))
+    final = {r["step"]: r for r in records if r["type"] == "step"}
+    assert sorted(final) == [0, 1, 2, 3]
+    assert all(r["micro_batches"] == 1 for r in final.values())
+    assert set(depth_after_backward) == {0}
+    # the blocks' activations were measured in forward, not lost to the recomputation
+    names = (
+        records[0]["modules"]["0"]["name"] if "name" in records[0].get("modules", {}).get("0", {}) else None
+    )
+    assert names is None  # model records carry names, step records only columns
+    assert final[2]["modules"]["0"]["forward_ms"][0] is not None

@@ -19,6 +19,7 @@ are resolved and the step record is built once per step, so no hook synchronises
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -48,13 +49,20 @@ Sink = Callable[[dict[str, Any]], None]
 class _Frame:
     """One module call on the forward stack."""
 
-    __slots__ = ("active", "input_ptrs", "input_saved", "key", "sample", "saved_at_pre")
+    __slots__ = ("active", "input_ptrs", "input_saved", "key", "recompute", "sample", "saved_at_pre")
 
     def __init__(
-        self, key: int, sample: int, saved_at_pre: int, input_ptrs: frozenset[int], active: bool = True
+        self,
+        key: int,
+        sample: int,
+        saved_at_pre: int,
+        input_ptrs: frozenset[int],
+        active: bool = True,
+        recompute: bool = False,
     ) -> None:
         self.key, self.sample, self.saved_at_pre = key, sample, saved_at_pre
         self.input_ptrs, self.input_saved, self.active = input_ptrs, 0, active
+        self.recompute = recompute
 
 
 _NO_PTRS: frozenset[int] = frozenset()
@@ -130,6 +138,7 @@ class ProfileSession:
         self._root_modules: list[nn.Module] = []
         self._param_handles: list[Any] = []
         self._stack: list[_Frame] = []
+        self._fault_at: int | None = None  # id() of the innermost module an exception escaped
         self._saved: dict[int, tuple[int, Any]] = {}
         self._act_live = 0
         self._grads_live = 0
@@ -195,10 +204,15 @@ class ProfileSession:
             self._param_handles = []
         if on and not self._module_handles:
             mod = torch.nn.modules.module
-            self._module_handles = [
-                mod.register_module_forward_pre_hook(self._fwd_pre),
-                mod.register_module_forward_hook(self._fwd_post),
-            ]
+            try:
+                # always_call: the post hook also runs when the forward raises, so the module stack
+                # unwinds with the exception (a script that catches it, or non-reentrant activation
+                # checkpointing, which stops its recomputation by raising, would otherwise leave
+                # frames behind and every later forward would look nested).
+                post = mod.register_module_forward_hook(self._fwd_post, always_call=True)
+            except TypeError:  # torch < 2.0
+                post = mod.register_module_forward_hook(self._fwd_post)
+            self._module_handles = [mod.register_module_forward_pre_hook(self._fwd_pre), post]
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._saved_ctx.__enter__()
         elif not on and self._module_handles:
@@ -244,6 +258,8 @@ class ProfileSession:
         """Where the script is now: step, phase, innermost module (for fault reports)."""
         self.discover_seen()
         key = self._stack[-1].key if self._stack else None
+        if key is None and self._fault_at is not None:
+            key = self._fault_at  # the innermost module an exception escaped (see _unwound)
         if key is None and self._data.samples:
             key = self._data.samples[-1].key
         loc = self._index.get(key) if key is not None else None
@@ -318,14 +334,28 @@ class ProfileSession:
         # Hot path: runs for every module call. Deep (untimed) modules only keep the stack for the
         # saved-tensor attribution.
         stack = self._stack
+        if stack and stack[0].recompute and not _in_backward():
+            stack.clear()  # frames of a checkpoint recomputation that stopped early (see below)
         depth = len(stack)
         if depth == 0:
             if not torch.is_grad_enabled():
                 stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False))
                 return
+            if _in_backward():
+                # Activation checkpointing recomputing a forward inside backward: not a new
+                # micro-batch, and its time is the backward's. Non-reentrant checkpointing stops the
+                # recomputation early, so these frames' post hooks may never run: they are dropped
+                # at the next call outside backward.
+                stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False, recompute=True))
+                if self._mod_collectors:  # collectors see recomputations (NVTX, FLOPs do)
+                    self._collect_fwd_pre(module, depth, False)
+                return
             self._root_call(module)
         elif not stack[-1].active:
-            stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False))
+            recompute = stack[-1].recompute
+            stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False, recompute=recompute))
+            if recompute and self._mod_collectors:
+                self._collect_fwd_pre(module, depth, False)
             return
         if self._auto_depth and self._step_index == 0:
             self._calls_at_depth[depth] = self._calls_at_depth.get(depth, 0) + 1
@@ -343,10 +373,17 @@ class ProfileSession:
         self._sample("fwd_pre", id(module), depth)
 
     def _fwd_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if output is None:
+            exc = sys.exc_info()[0]
+            if exc is not None:  # the forward raised: torch calls always_call hooks with None
+                self._unwound(module, exc)
+                return
         stack = self._stack
         key = id(module)
         frame = stack.pop() if stack and stack[-1].key == key else self._pop_frame(key)
         if frame is None or not frame.active:
+            if frame is not None and frame.recompute and self._mod_collectors:
+                self._collect_fwd_post(module, output, len(stack), False)
             return
         incl = self._data.saved_total - frame.saved_at_pre
         acc = self._data.micro.get(key)
@@ -384,6 +421,16 @@ class ProfileSession:
             except Exception as exc:
                 self._collector_failed(c, exc)
 
+    def _unwound(self, module: nn.Module, exc: type[BaseException]) -> None:
+        """An exception escaped ``module``'s forward: pop its frame, and remember the innermost such
+        module as where the script was (not for checkpointing's own early stop of a recomputation)."""
+        key = id(module)
+        if self._fault_at is None and "StopRecomputation" not in exc.__name__:
+            self._fault_at = key
+        frame = self._pop_frame(key)
+        if frame is not None and (frame.active or frame.recompute) and self._mod_collectors:
+            self._collect_fwd_post(module, None, len(self._stack), False)
+
     def _pop_frame(self, key: int) -> _Frame | None:
         # An exception inside a child skips its post hook: unwind to the frame of this module.
         while self._stack:
@@ -393,6 +440,7 @@ class ProfileSession:
         return None
 
     def _root_call(self, module: nn.Module) -> None:
+        self._fault_at = None  # an exception the script caught is history now
         data = self._data
         if data.opt_posts and data.forwards:
             self._finalize_step()
@@ -488,6 +536,9 @@ class ProfileSession:
             return
         if self._pending:
             self._emit_ready(wait=False)
+        self._fault_at = None
+        if self._stack and self._stack[0].recompute:
+            self._stack.clear()
         if id(opt) not in self._known_opts:
             self._discover(opt)
         self._sample("opt_pre", None, 0)
@@ -798,6 +849,15 @@ def _pick_depth(calls_at_depth: dict[int, int], budget: int) -> int:
             break
         depth = d
     return depth
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (private binding, feature-checked;
+    without it, recomputed forwards count as forwards, as before)."""
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
