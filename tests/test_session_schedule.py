@@ -77,6 +77,7 @@ class _Checkpointed(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_recomputation_is_not_a_new_forward(reentrant: bool) -> None:
     # Recomputed forwards run inside backward; non-reentrant checkpointing stops them early by
