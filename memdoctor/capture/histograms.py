@@ -282,16 +282,14 @@ def _device_stats(rows: _DeviceRows) -> list[list[float]]:
     A few kernels per 32-row chunk (|x|, log2, floor, the bin index, a scatter-add, the overflow
     count), all results concatenated and read with one copy to the host: the step's only sync."""
     parts: list[torch.Tensor] = []
-    n = len(rows.rows)
-    lengths = torch.tensor([r.sampled for r in rows.rows], device=rows.device)
+    lengths = [r.sampled for r in rows.rows]
     for c, chunk in enumerate(rows.samples):
-        m = min(CHUNK_ROWS, n - c * CHUNK_ROWS)
-        if m <= 0:
+        mine = lengths[c * CHUNK_ROWS : (c + 1) * CHUNK_ROWS]
+        if not mine:
             break
-        valid = (
-            torch.arange(SAMPLE_SIZE, device=rows.device) < lengths[c * CHUNK_ROWS : c * CHUNK_ROWS + m, None]
-        )
-        parts.append(_chunk_stats(chunk[:m], valid, _abs_max(rows, c, m)))
+        width = max(mine)  # only the columns some row of this chunk uses
+        valid = torch.arange(width, device=rows.device) < torch.tensor(mine, device=rows.device)[:, None]
+        parts.append(_chunk_stats(chunk[: len(mine), :width], valid, _abs_max(rows, c, len(mine))))
     host = torch.cat(parts).to(torch.float64).cpu()
     return host.tolist()
 
