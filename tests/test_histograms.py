@@ -297,21 +297,28 @@ def test_hooks_never_read_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all("histograms" in r["collectors"] for r in final_steps(records).values())
 
 
-def test_the_output_is_freed_when_the_script_drops_it() -> None:
+def test_outputs_and_gradients_are_freed_when_the_script_drops_them() -> None:
     model = Net(Scale(2.0), width=1024)
     collector = hist.HistogramCollector()
     session = ProfileSession(steps=1, warmup=0, collectors=[collector])
     refs: list[weakref.ref[torch.Tensor]] = []
-    handle = model.planted.register_forward_hook(lambda m, a, out: refs.append(weakref.ref(out)))
+
+    def watch(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        refs.append(weakref.ref(out))
+        out.register_hook(lambda g: refs.append(weakref.ref(g)) or None)
+
+    handles = [m.register_forward_hook(watch) for m in model.modules()]
     with session:
         loss = model(torch.randn(256, 16)).pow(2).mean()
         loss.backward()
         del loss
         gc.collect()
-        assert refs and refs[0]() is None  # 256 x 1024 floats, measured, then freed as without memdoctor
-        assert collector._devices[torch.device("cpu")].rows  # it was measured
+        assert collector._devices[torch.device("cpu")].rows  # they were measured
+        assert len(refs) == 2 * len(list(model.modules()))
+        assert [r for r in refs if r() is not None] == []  # and freed, as without memdoctor
         torch.optim.SGD(model.parameters(), lr=0.1).step()
-    handle.remove()
+    for h in handles:
+        h.remove()
     # the collector's buffers are a fixed few rows, not proportional to the 1 MiB outputs it measured
     held = sum(t.numel() * t.element_size() for r in collector._devices.values() for t in r.samples)
     assert held <= hist.CHUNK_ROWS * hist.SAMPLE_SIZE * 4
