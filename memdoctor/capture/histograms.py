@@ -152,9 +152,14 @@ class HistogramCollector(Collector):
             return
         self._seen.add((key, direction))
         x = tensor.detach()  # a view: no copy, and no autograd graph through our buffers
-        sample_row, lo, hi = rows.slot(x.dtype)
-        torch.aminmax(x, out=(lo, hi))
-        k = _copy_sample(x, sample_row)
+        try:
+            sample_row, lo, hi = rows.slot(x.dtype)
+            torch.aminmax(x, out=(lo, hi))
+            k = _copy_sample(x, sample_row)
+        except (RuntimeError, TypeError, NotImplementedError):
+            # A tensor subclass or backend without these ops: skip this tensor, keep measuring others.
+            self._skipped += 1
+            return
         rows.rows.append(_Row(key, direction, x.dtype, n, k))
 
     def _new_batch(self) -> None:
