@@ -430,13 +430,23 @@ def test_overflow_on_a_card_without_bf16_says_so_in_the_report() -> None:
     assert pr.precision(ampere)["bf16_available"] is True  # type: ignore[index]
 
 
+def test_the_collectors_own_note_is_the_reason() -> None:
+    trace = synthetic({})
+    trace.steps[0].collectors.clear()
+    trace.header["not_measured"] = ["histograms: this memdoctor build has no histograms collector"]
+    html = render.render_report(trace, an.build_summary(trace))
+    assert "Not measured: this memdoctor build has no histograms collector." in html
+
+
 def test_damaged_histogram_data_is_left_out() -> None:
     trace = synthetic({"0": [0.5]})
     cols = trace.steps[0].collectors["histograms"]["models"]["0"]["backward"]
     cols["module"] = [999]  # not in the module table
     assert pr.precision(trace) is None
     summary = an.build_summary(trace)
-    assert summary["precision"] is None and any(n.startswith("histograms:") for n in summary["not_measured"])
+    assert summary["precision"] is None and summary["layers"][1]["grad_fp16_underflow_fraction"] is None
+    html = render.render_report(trace, summary)
+    assert "Not measured: no step of this run recorded activation histograms" in html
 
 
 # ----------------------------------------------------------------------------------------- report

@@ -238,15 +238,24 @@ def gradient_underflow(ev: Evidence) -> list[Finding]:
     """Gradients that fp16 flushes to zero even after the loss scale: non-zero gradient values below
     2**-24 / scale (2**-40 at GradScaler's default 2**16) in more than 1% of a layer's sampled values.
     The story's layer-4 gradients at 1e-9 are 2**-30: they survive a 2**16 scale, but not a 2**4."""
-    out = []
+    lost = []
     for e in ev.backward():
         scale = 0 if e.scaled else ASSUMED_SCALE_LOG2
-        lost = e.fraction(e.below(FP16_TINY_LOG2 - scale))
-        if lost > FLUSH_TOLERANCE:
-            where = "as recorded (already scaled)" if e.scaled else f"after a 2^{scale} loss scale"
-            text = f"{e.name}: {_pct(lost)} of its output gradient is below fp16's 2^-24 {where}"
-            out.append(_finding("gradient_underflow", "risk", [e], text))
-    return out
+        share = e.fraction(e.below(FP16_TINY_LOG2 - scale))
+        if share > FLUSH_TOLERANCE:
+            lost.append((share, e))
+    if not lost:
+        return []
+    lost.sort(key=lambda p: -p[0])
+    scaled = any(e.scaled for _, e in lost)
+    where = "as recorded (already scaled)" if scaled else f"after a 2^{ASSUMED_SCALE_LOG2} loss scale"
+    text = f"{len(lost)} layer(s) lose output-gradient values below fp16's 2^-24 {where}: " + _listing(lost)
+    return [_finding("gradient_underflow", "risk", [e for _, e in lost], text)]
+
+
+def _listing(shares: list[tuple[float, Entry]], limit: int = 5) -> str:
+    text = ", ".join(f"{e.name} ({_pct(share)})" for share, e in shares[:limit])
+    return text + (f" and {len(shares) - limit} more" if len(shares) > limit else "")
 
 
 def scaled_gradient_overflow(ev: Evidence) -> list[Finding]:
@@ -271,16 +280,15 @@ def scaled_gradient_overflow(ev: Evidence) -> list[Finding]:
 
 
 def activation_underflow(ev: Evidence) -> list[Finding]:
-    """Activations that fp16 loses: more than 1% of a layer's output below 2**-24 (flushed to zero)
-    or a pile-up near zero. Training usually survives it (the values are tiny), but it is the
-    'outputs piled up near 0' symptom; bf16 keeps them (its smallest normal is 2**-126)."""
-    out = []
-    for e in ev.forward():
-        flushed = e.fraction(e.below(FP16_TINY_LOG2))
-        if flushed > FLUSH_TOLERANCE:
-            text = f"{e.name}: {_pct(flushed)} of its output is non-zero below fp16's 2^-24"
-            out.append(_finding("activation_underflow", "note", [e], text))
-    return out
+    """Activations that fp16 loses: more than 1% of a layer's output non-zero below 2**-24 (flushed
+    to zero). Training usually survives it (the values are tiny), but it is the 'outputs piled up
+    near 0' symptom; bf16 keeps them (its smallest normal is 2**-126)."""
+    lost = [(e.fraction(e.below(FP16_TINY_LOG2)), e) for e in ev.forward()]
+    lost = sorted((p for p in lost if p[0] > FLUSH_TOLERANCE), key=lambda p: -p[0])
+    if not lost:
+        return []
+    text = f"{len(lost)} layer output(s) hold non-zero values below fp16's 2^-24: " + _listing(lost)
+    return [_finding("activation_underflow", "note", [e for _, e in lost], text)]
 
 
 def no_bf16(ev: Evidence) -> list[Finding]:
@@ -412,20 +420,6 @@ def precision(trace: Trace) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------------------- summary
 
 
-def not_measured_reason(trace: Trace) -> str:
-    """Why a trace has no histograms: the collector's own note, else what the trace shows."""
-    for note in trace.header.get("not_measured", []):
-        if str(note).startswith(f"{NAME}:"):
-            return str(note)
-    ran = trace.header.get("collectors")
-    if isinstance(ran, list) and NAME not in ran:
-        return f"{NAME}: the histograms collector was not selected (--collect)"
-    return (
-        f"{NAME}: no step recorded activation histograms (they are taken on the steps that record "
-        "the per-module ledger; traces from earlier memdoctor versions lack them)"
-    )
-
-
 def summarize(trace: Trace, summary: dict[str, Any]) -> None:
     """``precision`` and, per layer, the fp16 overflow and underflow fractions (null: not measured)."""
     found = entries(trace)
@@ -439,11 +433,6 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
             row[over] = _round(fr["overflow"]) if fr else None
             row[under] = _round(fr["underflow"]) if fr else None
     summary["precision"] = precision(trace)
-    if summary["precision"] is None:
-        reason = not_measured_reason(trace)
-        notes = summary.setdefault("not_measured", [])
-        if reason not in notes:
-            notes.append(reason)
 
 
 def _round(x: float) -> float:

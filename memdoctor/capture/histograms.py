@@ -71,25 +71,36 @@ class _Row:
     sampled: int
 
 
+_Views = list[torch.Tensor]
+
+
 @dataclass
 class _DeviceRows:
-    """Preallocated rows on one device: float32 samples and, per dtype, the (min, max) slots."""
+    """Preallocated rows on one device: float32 samples and, per dtype, the (min, max) slots.
+
+    The per-row views are made once, when a chunk is allocated, so the hot path only indexes lists."""
 
     device: torch.device
     samples: list[torch.Tensor] = field(default_factory=list)  # CHUNK_ROWS x SAMPLE_SIZE each
     minmax: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)  # 2 x CHUNK_ROWS each
     rows: list[_Row] = field(default_factory=list)
+    _sample_views: list[torch.Tensor] = field(default_factory=list)
+    _slot_views: dict[torch.dtype, tuple[_Views, _Views]] = field(default_factory=dict)  # (mins, maxs)
 
     def slot(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next free row: its sample row and its min and max slots (allocated on first use only)."""
-        chunk, offset = divmod(len(self.rows), CHUNK_ROWS)
-        while len(self.samples) <= chunk:
-            self.samples.append(torch.zeros(CHUNK_ROWS, SAMPLE_SIZE, device=self.device))
-        slots = self.minmax.setdefault(dtype, [])
-        while len(slots) <= chunk:
-            slots.append(torch.zeros(2, CHUNK_ROWS, dtype=dtype, device=self.device))
-        mm = slots[chunk]
-        return self.samples[chunk][offset], mm[0, offset], mm[1, offset]
+        i = len(self.rows)
+        while len(self._sample_views) <= i:
+            chunk = torch.zeros(CHUNK_ROWS, SAMPLE_SIZE, device=self.device)
+            self.samples.append(chunk)
+            self._sample_views += chunk.unbind(0)
+        lows, highs = self._slot_views.setdefault(dtype, ([], []))
+        while len(lows) <= i:
+            mm = torch.zeros(2, CHUNK_ROWS, dtype=dtype, device=self.device)
+            self.minmax.setdefault(dtype, []).append(mm)
+            lows += mm[0].unbind(0)
+            highs += mm[1].unbind(0)
+        return self._sample_views[i], lows[i], highs[i]
 
 
 class HistogramCollector(Collector):
