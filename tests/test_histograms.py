@@ -411,6 +411,13 @@ def test_gradients_that_need_a_larger_scale() -> None:
     assert [f["rule"] for f in result["findings"]] == ["gradient_underflow"]
 
 
+def test_the_loss_and_its_gradient_are_not_judged() -> None:
+    # A scalar output is the loss: fp32 under autocast, its gradient 1 (the loss scale, once scaled).
+    trace = synthetic({"": [1.0], "0": [0.5, 2.0**-20]}, {"": [1e6]})
+    result = pr.precision(trace)
+    assert result is not None and result["verdict"] == "fp16_safe" and result["findings"] == []
+
+
 def test_safe_and_the_turing_note() -> None:
     trace = synthetic({"0": [0.5, 2.0**-20]}, {"0": [3.0, -40000.0]}, capability=[7, 5])
     result = pr.precision(trace)

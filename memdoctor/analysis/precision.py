@@ -211,10 +211,16 @@ class Evidence:
 
     def forward(self) -> list[Entry]:
         """Module outputs, each tensor once (the innermost module that returned it)."""
-        return [e for e in self.entries if e.direction == "forward" and e.same_as is None]
+        return self._judged("forward")
 
     def backward(self) -> list[Entry]:
-        return [e for e in self.entries if e.direction == "backward" and e.same_as is None]
+        """Output gradients, each tensor once."""
+        return self._judged("backward")
+
+    def _judged(self, direction: str) -> list[Entry]:
+        # A scalar output is a loss: autocast computes it in fp32, and its gradient is the loss
+        # scale itself, so it says nothing about fp16's range (numel 0: a trace without numel).
+        return [e for e in self.entries if e.direction == direction and e.same_as is None and e.numel != 1]
 
 
 Finding = dict[str, Any]

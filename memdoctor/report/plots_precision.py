@@ -60,13 +60,18 @@ def _grid(rows: list[dict[int, float] | None], lo: int, hi: int) -> list[list[fl
 def _fp16_lines(ax: Any) -> None:
     for exp, label in FP16_LINES:
         x = exp - 0.5  # column e holds 2^e <= |x| < 2^(e+1): the power of two is its left edge
-        ax.axvline(x, color="#b00020", linestyle="--", linewidth=0.9)
+        ax.axvline(x, color="#b00020", linestyle="--", linewidth=0.9, zorder=4)
         ax.annotate(
             label,
-            (x, 0),
+            (x, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(2, 2),
+            xytext=(-2, -2),
             textcoords="offset points",
+            rotation=90,
+            ha="right",
+            va="top",
             fontsize=7,
             color="#b00020",
+            zorder=5,
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85},
         )
