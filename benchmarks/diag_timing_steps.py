@@ -26,6 +26,28 @@ from memdoctor.capture.session import ProfileSession
 from memdoctor.device import default_device
 
 
+def micro(dev: torch.device) -> None:
+    """Host time of each device call a timing step makes, 500 calls each."""
+    if dev.type != "cuda":
+        return
+    device = default_device()
+    ev = device.marker()
+    calls = {
+        "device.memory()": device.memory,
+        "torch.cuda.memory_stats()": torch.cuda.memory_stats,
+        "device.allocator_counters()": device.allocator_counters,
+        "device.marker()": device.marker,
+        "device.ready(marker)": lambda: device.ready(ev),
+        "device.reset_peak()": device.reset_peak,
+    }
+    for name, fn in calls.items():
+        fn()
+        t = time.perf_counter()
+        for _ in range(500):
+            fn()
+        print(f"{name:30s} {(time.perf_counter() - t) / 500 * 1e6:8.1f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -65,13 +87,19 @@ def main() -> None:
             s._watch_grads = lambda model: None  # type: ignore[method-assign]
         if variant == "no_mem_reads":
             device.memory = lambda: None  # type: ignore[method-assign]
+        if variant == "no_counters":
+            device.allocator_counters = lambda: None  # type: ignore[method-assign]
+        if variant == "no_records":
+            s.sink = lambda rec: None
+            s._emit_ready = lambda wait: s._pending.clear()  # type: ignore[method-assign]
         s.start()
         try:
             return steps(n, s)[3:]  # steps 0-1 are detailed, 2.. timing
         finally:
             s.stop()
 
-    variants = ["bare", "session", "no_grad_hooks", "no_mem_reads"]
+    micro(dev)
+    variants = ["bare", "session", "no_mem_reads", "no_counters", "no_records"]
     steps(5)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(a.rounds):
