@@ -397,9 +397,22 @@ def test_garbage_in_the_trace_is_skipped() -> None:
     render_report(with_data([junk, junk, junk]))
 
 
-def test_recorded_gpu_traces_say_not_measured() -> None:
-    paths = sorted((ROOT / "tests" / "data").glob("*.jsonl.gz"))
-    assert paths
+def test_recorded_gpu_traces_measure_the_padded_batches() -> None:
+    # Recorded on the H200 with every collector: bert_story pads random-length sequences to 512, the
+    # GPT-2 Trainer workload packs full 512-token blocks.
+    bert = build_summary(load_trace(ROOT / "tests" / "data" / "gpu-bert-base-b32-s512-fp32.jsonl.gz"))
+    assert bert["padding_fraction"] is not None and 0.1 < bert["padding_fraction"] < 0.9
+    assert bert["data"]["traits"]["class"] == "padded variable-length"
+    assert bert["data"]["lengths"]["max"] <= 512
+    assert bert["data"]["lengths"]["count"] == 32 * bert["steps_profiled"]
+    assert all(b["attention_mask"] == [32, 512] for row in bert["data"]["steps"] for b in row["shapes"])
+    assert 0 <= bert["dataloader_wait_fraction"] < 0.1
+    gpt2 = build_summary(load_trace(ROOT / "tests" / "data" / "gpu-gpt2-small-trainer-b8-s512.jsonl.gz"))
+    assert gpt2["padding_fraction"] == 0.0
+
+
+def test_traces_from_before_collectors_say_not_measured() -> None:
+    paths = [ROOT / "tests" / "data" / "pre-collectors-bert-base-b8-s128-8gib.jsonl.gz"]
     for path in paths:
         trace = load_trace(path)
         summary = build_summary(trace)

@@ -287,8 +287,23 @@ def test_device_table_matches_specific_names_first() -> None:
     assert compute.device_peaks("cpu") is None
 
 
-@pytest.mark.parametrize("path", sorted(DATA.glob("gpu-*.jsonl.gz")), ids=lambda p: p.name)
-def test_recorded_gpu_traces_say_not_measured(path: Path) -> None:
+def test_recorded_gpu_trace_counts_bert_base_flops() -> None:
+    # BERT-base, batch 32 x 512 tokens, recorded on the H200: forward ~ 2 x 85M (encoder + pooler
+    # weights) x 16384 tokens + attention 4 x 12 layers x 512^2 x 768 x 32; backward ~ 2x forward.
+    trace = load_trace(DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz")
+    summary = build_summary(trace)
+    tokens, layers = 32 * 512, 12
+    forward = 2 * 85e6 * tokens + 4 * layers * 512 * 512 * 768 * 32
+    assert summary["flops_per_step"] == pytest.approx(3 * forward, rel=0.15)
+    assert summary["compute"]["class"] == "high" and summary["compute"]["roofline"]["device"] == "H200"
+    encoder = next(r for r in summary["layers"] if r["name"] == "bert.encoder")
+    assert encoder["flops"] > 0.9 * summary["compute"]["flops"]["forward"] * 2
+
+
+@pytest.mark.parametrize(
+    "path", [DATA / "pre-collectors-bert-base-b8-s128-8gib.jsonl.gz"], ids=lambda p: p.name
+)
+def test_traces_from_before_collectors_say_not_measured(path: Path) -> None:
     trace = load_trace(path)
     summary = build_summary(trace)
     assert summary["flops_per_step"] is None and summary["compute"] is None

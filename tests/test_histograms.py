@@ -470,7 +470,19 @@ def test_report_renders_the_precision_section(tmp_path: Path) -> None:
     assert 'id="precision"' in html and 'id="precision-verdict"' in html and "only bf16 is safe" in html
 
 
-@pytest.mark.parametrize("path", sorted(DATA.glob("*.jsonl.gz")), ids=lambda p: p.name.split(".")[0])
+def test_recorded_gpu_trace_has_a_verdict_and_layer_ranges() -> None:
+    # BERT-base fp32 on the H200: every timed layer measured, nothing beyond fp16's range.
+    trace = load_trace(DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz")
+    summary = an.build_summary(trace)
+    assert summary["precision"]["verdict"] == "fp16_safe"
+    measured = [r for r in summary["layers"] if r["fp16_overflow_fraction"] is not None]
+    assert len(measured) >= 12 and all(r["fp16_overflow_fraction"] == 0 for r in measured)
+    assert pr.report_section(trace, summary) is not None
+
+
+@pytest.mark.parametrize(
+    "path", [DATA / "pre-collectors-bert-base-b8-s128-8gib.jsonl.gz"], ids=lambda p: p.name.split(".")[0]
+)
 def test_recorded_traces_without_histograms_say_not_measured(path: Path) -> None:
     trace = load_trace(path)
     summary = an.build_summary(trace)

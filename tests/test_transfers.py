@@ -282,7 +282,22 @@ def test_summary_is_null_without_transfer_data() -> None:
     assert "Not measured: no CUDA device: there are no host-device copies." in html
 
 
-@pytest.mark.parametrize("path", sorted(DATA.glob("gpu-*.jsonl.gz"))[:2], ids=lambda p: p.name)
+def test_recorded_gpu_traces_count_the_batch_copies() -> None:
+    # On the H200: each BERT step copies input_ids and attention_mask (32 x 512 int64) and the labels
+    # (32 int64) to the GPU; each GPT-2 Trainer step input_ids, attention_mask, labels (8 x 512 int64).
+    bert = build_summary(load_trace(DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz"))
+    assert bert["h2d_bytes_per_step"] == 2 * 32 * 512 * 8 + 32 * 8
+    gpt2 = build_summary(load_trace(DATA / "gpu-gpt2-small-trainer-b8-s512.jsonl.gz"))
+    assert gpt2["h2d_bytes_per_step"] == 3 * 8 * 512 * 8
+    dev = bert["device"]
+    assert dev["pcie"]["gen"] == 5 and dev["pcie"]["width"] == 16
+    bw = dev["bandwidth"]
+    assert bw["h2d_pinned_bytes_per_s"] > bw["h2d_pageable_bytes_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "path", [DATA / "pre-collectors-bert-base-b8-s128-8gib.jsonl.gz"], ids=lambda p: p.name
+)
 def test_recorded_gpu_traces_say_not_measured(path: Path) -> None:
     trace = load_trace(path)
     summary = build_summary(trace)
