@@ -142,6 +142,17 @@ class CudaDevice(Device):
         torch.cuda.reset_peak_memory_stats(self.index)
 
     def allocator_counters(self) -> dict[str, int] | None:
+        raw = _RAW_MEMORY_STATS
+        if raw is not None:  # see memory(): the nested dict without the Python flattening
+            try:
+                st = raw(self.index)
+                return {
+                    "max_reserved": int(st["reserved_bytes"]["all"]["peak"]),
+                    "num_alloc_retries": int(st["num_alloc_retries"]),
+                    "num_ooms": int(st["num_ooms"]),
+                }
+            except (KeyError, TypeError, RuntimeError):
+                pass
         stats = torch.cuda.memory_stats(self.index)
         return {
             "max_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
