@@ -255,9 +255,11 @@ def _fwd_bwd_ms(summary: dict[str, Any]) -> float | None:
 
 
 def _batch_size(summary: dict[str, Any]) -> int | None:
-    largest = ((summary.get("data") or {}).get("largest_batch")) or {}
-    size = largest.get("batch_size") if isinstance(largest, dict) else None
-    return size if isinstance(size, int) and size > 0 else None
+    """The batch dimension of the largest measured batch: the first dimension its tensors share."""
+    largest = (summary.get("data") or {}).get("largest_batch") or {}
+    shapes = [v for v in (largest.get("shapes") or {}).values() if v]
+    firsts = {v[0] for v in shapes}
+    return firsts.pop() if len(firsts) == 1 and min(firsts) > 0 else None
 
 
 def _offload_rate(summary: dict[str, Any]) -> float | None:

@@ -57,6 +57,7 @@ class Plan:
     chosen: Prediction | None
     closest: Prediction  # the lowest predicted peak tried, for "nothing fits"
     fits_as_is: bool
+    measured_peak_bytes: int = 0
     advice: list[str] = field(default_factory=list)
     reason: str | None = None  # why no plan could be made at all
 
@@ -73,7 +74,8 @@ class Plan:
             "card": self.target.card.name if self.target.card else None,
             "fits": self.fits,
             "fits_as_is": self.fits_as_is,
-            "measured_peak_bytes": self.baseline.peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "as_is_predicted_peak_bytes": self.baseline.peak_bytes,
             "predicted_peak_bytes": pick.peak_bytes,
             "predicted_reserved_bytes": pick.reserved_bytes,
             "predicted_step_time_ratio": pick.as_dict()["predicted_step_time_ratio"],
@@ -96,7 +98,7 @@ def make_plan(w: Workload, target: Target) -> Plan:
     """The least-slowdown config that fits ``target``; the closest one and advice when none does."""
     base = _predict(w, Config(), target)
     if fits(base, target):
-        return Plan(target, base, base, base, True)
+        return Plan(target, base, base, base, True, w.peak_bytes)
     tried: list[Prediction] = []
     for tier in (_tier_one(w), _tier_two(w, target)):
         found = [p for p in (_with_checkpoints(w, c, target) for c in tier) if p is not None]
@@ -104,9 +106,9 @@ def make_plan(w: Workload, target: Target) -> Plan:
         fitting = [p for p in found if fits(p, target)]
         if fitting:
             best = min(fitting, key=_cost)
-            return Plan(target, base, best, best, False, _caveats(w, best))
+            return Plan(target, base, best, best, False, w.peak_bytes, _caveats(w, best))
     closest = min(tried or [base], key=lambda p: p.reserved_bytes)
-    return Plan(target, base, None, closest, False, what_would_fit(w, target, closest))
+    return Plan(target, base, None, closest, False, w.peak_bytes, what_would_fit(w, target, closest))
 
 
 def _predict(w: Workload, config: Config, target: Target) -> Prediction:
@@ -229,7 +231,7 @@ def every_n_baseline(
     """The story's rule: checkpoint every N-th block of the model's largest stack of repeated blocks,
     with the largest N that fits (fewest blocks); None when even every block does not fit."""
     config = config or Config()
-    stack = _block_stack(trace, w)
+    stack = block_stack(trace, w)
     for n in range(len(stack), 0, -1):
         picked = stack[::n]
         p = _predict(w, _checkpointed(config, picked), target)
@@ -238,7 +240,7 @@ def every_n_baseline(
     return None
 
 
-def _block_stack(trace: Trace, w: Workload) -> list[Candidate]:
+def block_stack(trace: Trace, w: Workload) -> list[Candidate]:
     by_key = {c.key: c for c in w.candidates}
     stacks = [
         [by_key[(info.index, i)] for i in blocks if (info.index, i) in by_key]
