@@ -517,11 +517,12 @@ def plan_command(ns: argparse.Namespace) -> int:
         path = path / TRACE_FILENAME
     trace = load_trace(path)
     summary = build_summary(trace)
+    target: Target | None = summary_target(summary)
     if ns.gpu:
         card = find_card(ns.gpu)
         target = Target(card.usable_bytes, card)
-    else:
-        target = Target(ns.budget) if ns.budget else summary_target(summary)
+    elif ns.budget:
+        target = Target(ns.budget)
     if target is None:
         raise UsageError(f"{path}: the run had no budget and no GPU: give --budget SIZE or --gpu NAME")
     out = doctor(trace, summary, target)
@@ -583,7 +584,7 @@ def _cards_table(cards: list[dict[str, Any]], table_cls: Any) -> Any:
 
     table = table_cls(title="which card do I need", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col, justify in (("card", "left"), ("memory", "right"), ("verdict", "left"), ("predicted", "right")):
-        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        table.add_column(col, justify=justify, overflow="fold")
     table.add_column("step time", justify="right")
     for c in cards:
         verdict = c["verdict"] + (": " + "; ".join(c["levers"]) if c["levers"] else "")
