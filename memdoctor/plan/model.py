@@ -330,7 +330,7 @@ def predict(
     """The peak and time of ``config``. ``bf16``: whether the target card has native bf16 (default: the
     profiled device's); ``offload_bytes_per_s``: the target's host link (default: the measured one)."""
     assumptions = list(w.notes)
-    chosen = [c for c in w.candidates if c.name in set(config.checkpoint)]
+    chosen = _outermost([c for c in w.candidates if c.name in set(config.checkpoint)])
     parts = memory_parts(w, config, chosen, assumptions)
     allocated = sum(parts.values())
     floor = w.parameters + w.gradients + parts["optimizer_state"] + w.fixed
@@ -351,6 +351,12 @@ def predict(
     return Prediction(
         config, allocated, int(allocated * w.reserved_ratio), parts, extra, ratio, time_parts, assumptions
     )
+
+
+def _outermost(chosen: list[Candidate]) -> list[Candidate]:
+    """A module inside another chosen one frees nothing more: its bytes are in its ancestor's."""
+    keys = {c.key for c in chosen}
+    return [c for c in chosen if not c.ancestors & keys]
 
 
 def memory_parts(

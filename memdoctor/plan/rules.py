@@ -33,7 +33,7 @@ from memdoctor.units import format_bytes
 
 CHECKPOINT_ACTIVATION_SHARE = 0.3  # activations at least this share of the peak
 ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
-ATTENTION_SHARE = 0.05  # attention temporaries at least this share of the peak
+ATTENTION_SHARE = 0.02  # attention temporaries at least this share of the peak
 FRAGMENTATION_BYTES = 256 * 1024**2
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unallocated at least this share of the reserved peak
 STARVATION_WAIT = 0.10  # the loader's wait at least this share of the step
