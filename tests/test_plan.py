@@ -349,3 +349,29 @@ def test_cli_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert main(["plan", str(path)]) == exitcodes.USAGE_ERROR
     assert "--budget SIZE or --gpu NAME" in capsys.readouterr().err
     assert main(["plan", str(path), "--budget", str(64 * MiB)]) == exitcodes.OK
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def test_report_section_carries_the_plan_and_the_card_table(bert32: tuple[Trace, dict[str, Any]]) -> None:
+    from memdoctor.analysis.sections import report_sections
+
+    trace, summary = bert32
+    (plan,) = [s for s in report_sections(trace, summary) if s["name"] == "plan"]
+    assert plan["template"] == "sections/plan.html.j2"
+    assert len(plan["ctx"]["cards"]) == len(CARDS)
+    assert plan["ctx"]["plan"] == summary["plan"]
+
+
+def test_report_renders_the_plan_section_with_and_without_a_plan(tmp_path: Path) -> None:
+    from memdoctor.report import write_report
+
+    for name, trace in (
+        ("gpu", load_trace(BERT_OOM)),
+        ("cpu", completed_trace(kind="cpu", budget_bytes=None)),
+    ):
+        (tmp_path / name).mkdir()
+        html = Path(write_report(trace, tmp_path / name)["report"]).read_text()
+        assert 'id="plan"' in html
+        assert ("No plan: no budget" in html) == (name == "cpu")

@@ -65,5 +65,6 @@ def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | No
         "ninegrid": summary.get("ninegrid") or {},
         "cards": card_table(w),
         "notes": list(w.notes),
+        "context_reserve_bytes": CONTEXT_RESERVE_BYTES,
         "reason": None if summary.get("plan") else "no budget: this run had no --budget and no GPU",
     }
