@@ -481,6 +481,124 @@ def report_command(ns: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+# ----------------------------------------------------------------------------------------- plan
+
+
+def configure_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", type=Path, metavar="TRACE", help="a trace.jsonl.gz, or the folder holding one")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument(
+        "--budget", type=_arg_type(parse_size), metavar="SIZE", help="memory the plan must fit, e.g. 8GiB"
+    )
+    target.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="plan for a listed card (rtx2070, t4, a100-80gb, ...; see docs/planner.md)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.epilog = (
+        "without --budget or --gpu: the profiled run's budget, else its GPU. "
+        "exit codes: 0 planned (also when nothing fits: the output says so); 2 usage error; "
+        "3 unreadable trace"
+    )
+
+
+def plan_command(ns: argparse.Namespace) -> int:
+    import json
+
+    from memdoctor.analysis.plan import doctor, summary_target
+    from memdoctor.analysis.summary import build_summary
+    from memdoctor.plan.cards import find_card
+    from memdoctor.plan.planner import Target, card_table
+    from memdoctor.trace import TRACE_FILENAME, load_trace
+
+    path: Path = ns.trace
+    if path.is_dir() and (path / TRACE_FILENAME).is_file():
+        path = path / TRACE_FILENAME
+    trace = load_trace(path)
+    summary = build_summary(trace)
+    target: Target | None = summary_target(summary)
+    if ns.gpu:
+        card = find_card(ns.gpu)
+        target = Target(card.usable_bytes, card)
+    elif ns.budget:
+        target = Target(ns.budget)
+    if target is None:
+        raise UsageError(f"{path}: the run had no budget and no GPU: give --budget SIZE or --gpu NAME")
+    out = doctor(trace, summary, target)
+    if out["plan"] is None:
+        raise UsageError(f"{path}: cannot plan: {out['reason']}")
+    if ns.json:
+        cards = card_table(out["workload"], target.margin)
+        doc = {"plan": out["plan"], "findings": out["findings"], "ninegrid": out["ninegrid"], "cards": cards}
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return exitcodes.OK
+    print_plan(out, card_table(out["workload"], target.margin))
+    return exitcodes.OK
+
+
+def print_plan(out: dict[str, Any], cards: list[dict[str, Any]]) -> None:
+    """The plan in a few lines, the findings and the card table, on stdout."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    plan = out["plan"]
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    for key, value in _plan_rows(plan):
+        table.add_row(f"[bold]{key}[/bold]", escape(value))
+    console.print(table)
+    for line in plan["advice"]:
+        console.print(escape(f"- {line}"))
+    for f in out["findings"]:
+        console.print(escape(f"finding [{f['severity']}] {f['rule']}: {f['title']}: {f['evidence']}"))
+    console.print(_cards_table(cards, Table))
+
+
+def _plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    where = f" ({plan['card']})" if plan["card"] else ""
+    margin = f"{format_bytes(plan['limit_bytes'])} after a {plan['safety_margin']:.0%} margin"
+    ratio = plan["predicted_step_time_ratio"]
+    rows = [
+        ("budget", f"{format_bytes(plan['budget_bytes'])}{where}, {margin}"),
+        ("measured peak", format_bytes(plan["measured_peak_bytes"])),
+    ]
+    if plan["fits_as_is"]:
+        verdict = "fits as it is"
+    elif plan["fits"]:
+        verdict = "fits with: " + "; ".join(plan["levers"])
+    else:
+        verdict = "nothing modelled fits"
+    rows.append(("plan", verdict))
+    rows.append(("predicted peak", f"{format_bytes(plan['predicted_reserved_bytes'])} reserved"))
+    rows.append(("step time", "unknown from this trace" if ratio is None else f"x{ratio:.2f} (predicted)"))
+    if plan["config"]["checkpoint"]:
+        rows.append(("checkpoint", ", ".join(plan["config"]["checkpoint"])))
+    return rows
+
+
+def _cards_table(cards: list[dict[str, Any]], table_cls: Any) -> Any:
+    from rich import box
+    from rich.markup import escape
+
+    table = table_cls(title="which card do I need", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, justify in (("card", "left"), ("memory", "right"), ("verdict", "left"), ("predicted", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
+    table.add_column("step time", justify="right")
+    for c in cards:
+        verdict = c["verdict"] + (": " + "; ".join(c["levers"]) if c["levers"] else "")
+        ratio = c["predicted_step_time_ratio"]
+        table.add_row(
+            escape(c["card"]),
+            format_bytes(c["memory_bytes"]),
+            escape(verdict),
+            format_bytes(c["predicted_reserved_bytes"]),
+            "unknown" if ratio is None else f"x{ratio:.2f}",
+        )
+    return table
+
+
 # ----------------------------------------------------------------------------------------- terminal output
 
 _TOP_LAYERS = 5
@@ -628,4 +746,5 @@ COMMANDS: list[Command] = [
     Command(
         "report", "re-render report.html and summary.json from a trace file", configure_report, report_command
     ),
+    Command("plan", "plan for a memory budget or a GPU from a recorded trace", configure_plan, plan_command),
 ]

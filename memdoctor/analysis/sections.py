@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "data": "memdoctor.analysis.data",
     "transfers": "memdoctor.analysis.transfers",
     "precision": "memdoctor.analysis.precision",
+    "plan": "memdoctor.analysis.plan",  # last: it reads the other sections' summary keys
 }
 
 

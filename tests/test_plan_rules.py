@@ -1,0 +1,152 @@
+"""Each rule fires on a hand-built trace that shows its problem, and stays silent on one that does not."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from memdoctor.analysis.summary import build_summary, peak_step
+from memdoctor.plan import rules as R
+from memdoctor.plan.cards import find_card
+from memdoctor.plan.model import workload
+from memdoctor.plan.planner import Target
+from memdoctor.trace import Trace
+from tests.tracebuilder import GiB, MiB, TraceBuilder, completed_trace, tiny_mlp
+
+KEYS = {"rule", "severity", "title", "evidence", "saving_bytes", "cost_fraction", "confidence"}
+
+
+@pytest.fixture(scope="module")
+def bert() -> tuple[Trace, dict[str, Any]]:
+    trace = completed_trace(kind="cuda", budget_bytes=8 * GiB, layers=4)
+    return trace, build_summary(trace)
+
+
+def _run(
+    rule: Any, trace: Trace, summary: dict[str, Any], target: Target | None = None
+) -> list[dict[str, Any]]:
+    found = rule(R.RuleInput(trace, summary, workload(trace, summary), target))
+    for f in found:
+        assert set(f) == KEYS and f["evidence"]
+    return found
+
+
+def test_checkpointing_fires_when_activations_dominate(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None and w.activations > 0.3 * w.peak_bytes
+    tight = Target(int(w.peak_bytes * 0.8))
+    (f,) = _run(R.checkpointing, trace, summary, tight)
+    assert f["severity"] == "critical" and f["saving_bytes"] > 0 and f["cost_fraction"] > 0
+    (roomy,) = _run(R.checkpointing, trace, summary, Target(100 * GiB))
+    assert roomy["severity"] == "info"
+
+
+def test_checkpointing_silent_when_activations_are_small() -> None:
+    b = TraceBuilder(kind="cuda")
+    b.add_model([(n, t, p * 1000, a // 1000) for n, t, p, a in tiny_mlp()])
+    b.add_steps(warmup=1, profiled=2)
+    trace = b.end("completed").build()
+    assert _run(R.checkpointing, trace, build_summary(trace)) == []
+
+
+def test_mixed_precision(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    assert _run(R.mixed_precision, trace, summary) == [], "silent when precision was not measured"
+    s = copy.deepcopy(summary)
+    s["precision"] = {"verdict": "fp16_safe", "title": "fp16 + GradScaler is safe", "reason": "fits"}
+    s["precision"].update(bf16_available=True, suggested_init_scale_log2=12)
+    (bf16,) = _run(R.mixed_precision, trace, s)
+    assert "bf16" in bf16["title"] and bf16["saving_bytes"] > 0
+    (fp16,) = _run(R.mixed_precision, trace, s, Target(8 * GiB, find_card("rtx2070")))
+    assert "fp16" in fp16["title"] and "init_scale=2**12" in fp16["evidence"]
+    s["precision"].update(verdict="bf16_only", reason="activations overflow fp16")
+    (warn,) = _run(R.mixed_precision, trace, s, Target(8 * GiB, find_card("t4")))
+    assert warn["severity"] == "warning" and "overflow" in warn["evidence"]
+
+
+def test_memory_efficient_attention(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    assert _run(R.memory_efficient_attention, trace, summary) == [], "silent without a peak ledger"
+    peak = summary["peak_memory_bytes"]
+    s = copy.deepcopy(summary)
+    site = "modeling_bert.py:125 (eager_attention_forward) <- train.py:40 (main)"
+    s["peak_ledger"] = {"temporaries_by_site": [[site, peak // 10], ["linear.py:134 (forward)", peak // 10]]}
+    (f,) = _run(R.memory_efficient_attention, trace, s)
+    assert f["saving_bytes"] == peak // 10 and "eager_attention_forward" in f["evidence"]
+    s["peak_ledger"]["temporaries_by_site"] = [[site, peak // 1000], ["linear.py:134 (forward)", peak // 5]]
+    assert _run(R.memory_efficient_attention, trace, s) == [], "silent when attention temporaries are small"
+
+
+def test_memory_efficient_attention_on_the_recorded_oom() -> None:
+    from pathlib import Path
+
+    from memdoctor.trace import load_trace
+
+    trace = load_trace(Path(__file__).parent / "data" / "gpu-bert-base-b32-s512-8gib-oom.jsonl.gz")
+    (f,) = _run(R.memory_efficient_attention, trace, build_summary(trace))
+    assert f["saving_bytes"] == 402653184  # 32 x 12 heads x 512 x 512 fp32 scores: seq x seq
+
+
+def test_allocator_fragmentation() -> None:
+    trace = completed_trace(kind="cuda", layers=2)
+    summary = build_summary(trace)
+    assert _run(R.allocator_fragmentation, trace, summary) == [], "the builder's 10% slack is below the bar"
+    step = peak_step(trace)
+    assert step is not None
+    alloc = step.memory["allocator"]
+    alloc["max_reserved"] = alloc["max_allocated"] + 2 * GiB
+    (f,) = _run(R.allocator_fragmentation, trace, summary)
+    assert f["saving_bytes"] == 2 * GiB and "expandable_segments" in f["title"]
+    alloc["max_reserved"] = alloc["max_allocated"] + MiB
+    alloc["num_alloc_retries"] = 3
+    (retry,) = _run(R.allocator_fragmentation, trace, summary)
+    assert "3 allocation retries" in retry["evidence"]
+    cpu = completed_trace(kind="cpu", layers=2)
+    assert _run(R.allocator_fragmentation, cpu, build_summary(cpu)) == []
+
+
+def test_dataloader_starvation(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    assert _run(R.dataloader_starvation, trace, summary) == []
+    s = dict(summary, dataloader_wait_fraction=0.05)
+    assert _run(R.dataloader_starvation, trace, s) == []
+    (f,) = _run(R.dataloader_starvation, trace, dict(summary, dataloader_wait_fraction=0.4))
+    assert f["cost_fraction"] == -0.4 and f["saving_bytes"] == 0
+
+
+def test_dynamic_padding(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    assert _run(R.dynamic_padding, trace, summary) == []
+    assert _run(R.dynamic_padding, trace, dict(summary, padding_fraction=0.05)) == []
+    s = dict(summary, padding_fraction=0.5, data={"lengths": {"p50": 100, "p90": 300, "max": 512}})
+    (f,) = _run(R.dynamic_padding, trace, s)
+    w = workload(trace, summary)
+    assert w is not None and f["saving_bytes"] == int(w.activations * 0.5)
+    assert "p90 300" in f["evidence"] and f["cost_fraction"] < 0
+
+
+def test_optimizer_state_and_gradient_health(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    assert _run(R.optimizer_state, trace, summary, Target(100 * w.optimizer_state)) == []
+    (f,) = _run(R.optimizer_state, trace, summary, Target(2 * w.optimizer_state))
+    assert f["saving_bytes"] == int(w.optimizer_state * 0.75)
+    assert _run(R.gradient_health, trace, summary) == []
+    flags = [
+        {"kind": "nonfinite", "module": "bert.encoder.layer.1", "evidence": "NaN/Inf gradient in 3 modules"}
+    ]
+    (g,) = _run(R.gradient_health, trace, dict(summary, grad_flags=flags))
+    assert g["severity"] == "critical"
+
+
+def test_run_rules_keeps_the_rule_order(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    s = dict(summary, dataloader_wait_fraction=0.5, padding_fraction=0.5)
+    found = R.run_rules(R.RuleInput(trace, s, workload(trace, s), Target(GiB)))
+    order = [r.__name__ for r in R.RULES]
+    assert [order.index(f["rule"]) for f in found] == sorted(order.index(f["rule"]) for f in found)
+    assert {"checkpointing", "dataloader_starvation", "dynamic_padding"} <= {f["rule"] for f in found}
