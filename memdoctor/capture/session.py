@@ -127,6 +127,11 @@ class ProfileSession:
         self._index: dict[int, tuple[int, int]] = {}
         self._known_opts: set[int] = set()
         self._optimizers: list[torch.optim.Optimizer] = []
+        # Which optimizers make one training step (see _note_optimizer): learned, None until known.
+        self._cycle: frozenset[int] | None = None
+        self._since_cycle: list[int] = []  # optimizers stepped since the cycle was last seen to start
+        self._cycle_last: int | None = None  # the optimizer that steps last in a training step
+        self._stepped: set[int] = set()  # optimizers stepped in the step in progress
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
         self._param_ptrs: dict[int, int] = {}  # storage address -> bytes, of every known parameter
@@ -278,11 +283,11 @@ class ProfileSession:
     def current_step(self) -> int:
         """The step the script is in now: after a step's optimizer step (data loading for the next
         step, say) that is already the next step, as it is in the step records."""
-        return self._step_index + (1 if self._data.opt_posts else 0)
+        return self._step_index + (1 if self._data.opt_posts and self._cycle_done() else 0)
 
     def current_phase(self) -> str:
         """``forward``, ``backward``, ``optimizer`` or ``other`` (between steps: data loading, logging)."""
-        return "other" if self._data.opt_posts else self._data.phase
+        return "other" if self._data.opt_posts and self._cycle_done() else self._data.phase
 
     def current_module(self) -> tuple[int, int] | None:
         """``(model, module index)`` of the innermost module running forward, if known."""
@@ -442,7 +447,7 @@ class ProfileSession:
     def _root_call(self, module: nn.Module) -> None:
         self._fault_at = None  # an exception the script caught is history now
         data = self._data
-        if data.opt_posts and data.forwards:
+        if data.opt_posts and data.forwards and self._cycle_done():
             self._finalize_step()
             data = self._data
         if self._pending:
@@ -541,6 +546,7 @@ class ProfileSession:
             self._stack.clear()
         if id(opt) not in self._known_opts:
             self._discover(opt)
+        self._note_optimizer(id(opt))
         self._sample("opt_pre", None, 0)
         if self._opt_notified != self._step_index:
             self._opt_notified = self._step_index
@@ -564,6 +570,8 @@ class ProfileSession:
         for c in list(self.collectors):
             self._call(c, "on_optimizer_end", self._step_index)
         now, following = self.detailed(self._step_index), self.detailed(self._step_index + 1)
+        if not self._cycle_done(last=id(opt)):
+            return  # another optimizer of this training step is still to step (a GAN's generator)
         if not (now and following):
             # The next step's hooks differ from this one's: close the step at its optimizer step and
             # switch the module hooks here, outside any forward.
@@ -576,6 +584,31 @@ class ProfileSession:
         # crash right after it keeps it. On CUDA that waits for the step's GPU work: only the
         # warm-up, first and last profiled steps pay this; timing steps are written without waiting.
         self._write_provisional()
+
+    def _note_optimizer(self, key: int) -> None:
+        """Learn which optimizers make one training step: those that step between two steps of the
+        same optimizer. One optimizer is the common case; a GAN steps its discriminator's and then its
+        generator's, with a forward between them, and a training step ends only after both."""
+        if key in self._since_cycle:
+            self._cycle = frozenset(self._since_cycle)
+            self._cycle_last = self._since_cycle[-1]
+            self._since_cycle = []
+        self._since_cycle.append(key)
+        self._stepped.add(key)
+
+    def _cycle_done(self, last: int | None = None) -> bool:
+        """Whether every optimizer of a training step has stepped in the step in progress; with
+        ``last`` (the optimizer that just stepped), also whether it is the one that ends the cycle: on
+        a timing step the step ends at an optimizer step, and must end after the cycle's last one."""
+        if self._cycle is None:
+            return True
+        return self._cycle <= self._stepped and (last is None or last == self._cycle_last)
+
+    def _set_warmup(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._history_steps = {0, warmup, warmup + self.steps - 1}
+        if self._detail_steps is not None:
+            self._detail_steps = set(range(warmup)) | {warmup, warmup + self.steps - 1}
 
     def _write_provisional(self) -> None:
         """Write the step now, marked complete; if a second optimizer steps before the next forward,
@@ -595,6 +628,11 @@ class ProfileSession:
         self.sink(self._step_record(rec, data))
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
+        if self._known_opts and self._cycle is None and 0 < self._step_index == self.warmup:
+            # A second optimizer that first steps after another's step (a GAN's generator after its
+            # discriminator): the steps so far each held a part of a training step, so the first
+            # profiled step becomes one more warm-up step, and the profiled steps are whole ones.
+            self._set_warmup(self.warmup + 1)
         self._known_opts.add(id(opt))
         self._optimizers.append(opt)
         params = {id(p) for p in optimizer_params(opt)}
@@ -718,6 +756,7 @@ class ProfileSession:
 
     def _new_step(self, first: bool = False, carry: list[Sample] | None = None) -> None:
         self._data = StepData(step=self._step_index)
+        self._stepped = set()
         if not first:
             self.device.reset_peak()
             self._start_history()
