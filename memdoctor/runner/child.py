@@ -66,6 +66,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
 
     from memdoctor import __version__
     from memdoctor.capture.collectors import make_collectors
+    from memdoctor.environment import recorded_environment
     from memdoctor.trace import make_header
 
     cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
@@ -82,6 +83,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
             "torch": torch.__version__,
             "platform": platform.platform(),
         },
+        environment=recorded_environment(),
         device=described,
         not_measured=device.not_measured() + unavailable,
         collectors=[c.name for c in collectors],
@@ -182,6 +184,8 @@ def _user_tb(tb: Any) -> Any:
         if "memdoctor" not in name and "runpy" not in name:
             break
         tb = tb.tb_next
+    if tb is not None and "memdoctor" in tb.tb_frame.f_code.co_filename:
+        return None  # raised by memdoctor's own frame (compiling the script): no user frame to show
     return tb
 
 
