@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +89,7 @@ if __name__ == "__main__":
 # A tiny model whose middle module can be told to raise on its n-th forward call (FAIL_AT).
 PRELUDE = """\
 import os
+import re
 import signal
 import sys
 import time
@@ -792,3 +794,23 @@ def test_absurdly_large_figures_still_render(tmp_path: Path, capfd: pytest.Captu
     assert code == exitcodes.OK, err
     html = (tmp_path / "rendered" / "report.html").read_text()
     assert "m" * 2**16 not in html  # the message was cut when loaded
+
+
+# ------------------------------------------------------------------------------ the report loads nothing
+
+CSP_RE = re.compile(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">')
+
+
+def test_faulted_report_loads_nothing_from_the_network(runs: Runs) -> None:
+    """The CSP of a real run's report forbids every network load: nothing but inline styles and data:
+    images, no base URL, no form target; and the page names no remote resource."""
+    html = (runs["raise_at_step_3"].out / "report.html").read_text()
+    policies = CSP_RE.findall(html)
+    assert len(policies) == 1
+    directives = {d.split()[0]: d.split()[1:] for d in policies[0].split(";") if d.strip()}
+    assert directives["default-src"] == ["'none'"]
+    assert directives["base-uri"] == ["'none'"] and directives["form-action"] == ["'none'"]
+    allowed = {src for sources in directives.values() for src in sources}
+    assert allowed <= {"'none'", "data:", "'unsafe-inline'"}, allowed
+    assert directives.get("img-src") == ["data:"] and "script-src" not in directives
+    assert not re.search(r"""(src|href|action)\s*=\s*["']?\s*(https?:|//|ftp:)""", html, re.I)
