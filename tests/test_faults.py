@@ -814,3 +814,24 @@ def test_faulted_report_loads_nothing_from_the_network(runs: Runs) -> None:
     assert allowed <= {"'none'", "data:", "'unsafe-inline'"}, allowed
     assert directives.get("img-src") == ["data:"] and "script-src" not in directives
     assert not re.search(r"""(src|href|action)\s*=\s*["']?\s*(https?:|//|ftp:)""", html, re.I)
+
+
+# ----------------------------------------------------------------------------------------- where, in words
+
+HEADLINES = {
+    "raise_at_import": "The script died of ModuleNotFoundError before its first training step",
+    "raise_at_step_0": "The script died of ValueError at step 0, in the forward of 1",
+    "exit_3_after_1": "The script called sys.exit(3) at step 1",  # between steps: in the next one
+    "os_exit_after_2": "The script died of an abrupt exit with code 7 (os._exit, or native code ending the "
+    "process) after 2 complete steps",
+    "segfault_after_2": "The script died of a crash (SIGSEGV) after 2 complete steps",
+    "sigkill_after_2": "The script was killed by SIGKILL after 2 complete steps",
+}
+
+
+@pytest.mark.parametrize("case", list(HEADLINES))
+def test_the_headline_says_where_the_run_died(runs: Runs, case: str) -> None:
+    run = runs[case]
+    headline = run.summary["headline"]
+    assert headline.startswith(HEADLINES[case]), headline
+    assert HEADLINES[case] in " ".join((run.out / "report.html").read_text().split())

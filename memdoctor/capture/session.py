@@ -271,9 +271,12 @@ class ProfileSession:
         name = None
         if loc is not None:
             name = self.models[loc[0]].info.names[loc[1]]
+        started = bool(self._roots_seen or self._known_opts)
         return {
-            "step": self._step_index,
-            "phase": self._data.phase,
+            # Between steps (loading the next batch) the script is in the next step already; before any
+            # forward or optimizer step (importing, building the model) it is in no step yet.
+            "step": self.current_step() if started else None,
+            "phase": self.current_phase() if started else "other",
             "model": loc[0] if loc else None,
             "module": loc[1] if loc else None,
             "module_name": name,
