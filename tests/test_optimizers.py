@@ -114,3 +114,51 @@ def test_one_optimizer_is_unchanged() -> None:
             opt.zero_grad()
     steps = {r["step"]: r for r in records if r["type"] == "step"}
     assert sorted(steps) == [0, 1, 2, 3] and session.warmup == 1
+
+
+def _pattern(session: ProfileSession, schedule: list[str]) -> list[tuple[int, int]]:
+    """Run one forward, backward and step of optimizer ``a`` or ``b`` per entry of ``schedule``; returns
+    (step, micro-batches) of every step recorded, final records only."""
+    torch.manual_seed(0)
+    models = {name: nn.Linear(4, 2) for name in "ab"}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for name, m in models.items()}
+    records: list[dict[str, Any]] = []
+    session.sink = records.append
+    with session:
+        for name in schedule:
+            models[name](torch.randn(3, 4)).sum().backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            if session._done:
+                break
+    final = {r["step"]: r for r in records if r["type"] == "step"}
+    return [(step, rec["micro_batches"]) for step, rec in sorted(final.items())]
+
+
+def test_a_critic_stepping_several_times_per_generator_step() -> None:
+    """WGAN: 3 critic steps per generator step. Once a whole cycle was seen, a step is one cycle: the
+    critic repeating alone does not shrink the cycle back to the critic."""
+    session = ProfileSession(steps=3, warmup=6, sink=None)
+    steps = _pattern(session, ["a", "a", "a", "b"] * 10)
+    # steps 0-2: single critic steps; then the generator's step joins the next critic steps until the
+    # cycle {a, b} is learned at the 2nd round; from then every step is a whole round of 4 micro-batches
+    assert [mb for _, mb in steps[-4:]] == [4, 4, 4, 4], steps
+
+
+def test_switching_to_another_optimizer_closes_steps_again() -> None:
+    """A script that moves on to a second optimizer (a new phase): the first one leaves the cycle as soon
+    as the second has stepped twice without it, so steps close again at once."""
+    session = ProfileSession(steps=5, warmup=1, sink=None)
+    steps = _pattern(session, ["a"] * 3 + ["b"] * 20)
+    assert session._done, "the steps never closed after the switch"
+    assert [mb for _, mb in steps] == [1, 1, 1, 3, 1, 1], steps  # one step holds the switch
+
+
+def test_an_optimizer_that_stops_stepping_leaves_the_cycle() -> None:
+    """Both optimizers stepped in turn, then one stops (a frozen discriminator): after a while steps close
+    at every step of the other again."""
+    session = ProfileSession(steps=6, warmup=1, sink=None)
+    steps = _pattern(session, ["a", "b"] * 4 + ["b"] * 100)
+    assert session._done
+    # two warm-up halves, whole steps of two, one long step while `a` goes stale, then single steps
+    assert [mb for _, mb in steps] == [1, 1, 2, 2, 2, 32, 1, 1], steps

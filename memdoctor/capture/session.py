@@ -44,6 +44,9 @@ from memdoctor.device import Device, default_device
 from memdoctor.trace import StepRecord
 
 Sink = Callable[[dict[str, Any]], None]
+# An optimizer of the training step that has not stepped for this many optimizer steps is no longer one
+# (see ProfileSession._note_optimizer); well above a WGAN's 5-10 critic steps per generator step.
+_STALE_AFTER = 32
 
 
 class _Frame:
@@ -131,6 +134,9 @@ class ProfileSession:
         self._cycle: frozenset[int] | None = None
         self._since_cycle: list[int] = []  # optimizers stepped since the cycle was last seen to start
         self._cycle_last: int | None = None  # the optimizer that steps last in a training step
+        self._opt_count = 0  # optimizer steps so far, and the count at each optimizer's last step
+        self._last_step_at: dict[int, int] = {}
+        self._first_step_at: dict[int, int] = {}
         self._stepped: set[int] = set()  # optimizers stepped in the step in progress
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
@@ -591,13 +597,29 @@ class ProfileSession:
     def _note_optimizer(self, key: int) -> None:
         """Learn which optimizers make one training step: those that step between two steps of the
         same optimizer. One optimizer is the common case; a GAN steps its discriminator's and then its
-        generator's, with a forward between them, and a training step ends only after both."""
+        generator's, with a forward between them, and a training step ends only after both.
+
+        The set only grows (a WGAN's critic steps several times between two generator steps: the
+        critic alone repeating says nothing about the generator), except that an optimizer leaves it
+        when it has not stepped since one of those now stepping first did (a script that moved on to
+        another optimizer), or for ``_STALE_AFTER`` optimizer steps, so that steps close again."""
+        self._opt_count += 1
+        self._first_step_at.setdefault(key, self._opt_count)
         if key in self._since_cycle:
-            self._cycle = frozenset(self._since_cycle)
-            self._cycle_last = self._since_cycle[-1]
+            seen = frozenset(self._since_cycle)
+            if self._cycle is None or seen >= self._cycle or self._stale(self._cycle - seen, seen):
+                self._cycle, self._cycle_last = seen, self._since_cycle[-1]
             self._since_cycle = []
         self._since_cycle.append(key)
         self._stepped.add(key)
+        self._last_step_at[key] = self._opt_count
+
+    def _stale(self, missing: frozenset[int], seen: frozenset[int]) -> bool:
+        newest = max(self._first_step_at[k] for k in seen)
+        return any(
+            self._last_step_at[k] < newest or self._opt_count - self._last_step_at[k] > _STALE_AFTER
+            for k in missing
+        )
 
     def _cycle_done(self, last: int | None = None) -> bool:
         """Whether every optimizer of a training step has stepped in the step in progress; with
