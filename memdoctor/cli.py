@@ -541,7 +541,8 @@ def _summary_rows(summary: dict[str, Any], status: str | None, message: str | No
         parts = [
             f"{name.replace('_', ' ')} {format_bytes(v)}" for name, v in categories.items() if v is not None
         ]
-        rows.append(("at the peak", ", ".join(parts)))
+        if parts:  # none before a first step: no empty row
+            rows.append(("at the peak", ", ".join(parts)))
     status_text = status or summary.get("status") or "unknown"
     rows.append(("status", escape(f"{status_text}: {message}" if message else status_text)))
     if summary.get("headline"):

@@ -835,3 +835,12 @@ def test_the_headline_says_where_the_run_died(runs: Runs, case: str) -> None:
     headline = run.summary["headline"]
     assert headline.startswith(HEADLINES[case]), headline
     assert HEADLINES[case] in " ".join((run.out / "report.html").read_text().split())
+
+
+def test_a_fault_before_any_step_records_no_empty_step(runs: Runs) -> None:
+    """Nothing ran, so nothing is shown as measured: no step of 0 B, no peak, no step in the fault."""
+    run = runs["raise_at_import"]
+    assert run.trace.steps == []
+    summary = run.summary
+    assert summary["peak_memory_bytes"] is None and summary["steps"] == []
+    assert summary["fault"]["step"] is None and run.trace.events[-1]["step"] is None

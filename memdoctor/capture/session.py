@@ -245,6 +245,8 @@ class ProfileSession:
         """Write what the step in progress measured so far, marked incomplete (the script is dying)."""
         self._emit_ready(wait=True)
         self._stop_history(self._data)
+        if not (self._roots_seen or self._known_opts):
+            return None  # no forward, no optimizer step: no step began, and a record would show 0 B
         self._fault_sample()
         if len(self._data.samples) < 2:
             return None

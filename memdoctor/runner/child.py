@@ -23,6 +23,7 @@ import types
 from typing import Any
 
 ENV_VAR = "MEMDOCTOR_CHILD"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memdoctor/
 EXIT_STOPPED = 0
 
 
@@ -181,11 +182,12 @@ def _user_tb(tb: Any) -> Any:
     """The traceback from the script's first frame on, as ``python SCRIPT`` would print it."""
     while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
-        if "memdoctor" not in name and "runpy" not in name:
+        if "memdoctor" not in name and "runpy" not in name and not name.startswith("<frozen "):
             break
         tb = tb.tb_next
-    if tb is not None and "memdoctor" in tb.tb_frame.f_code.co_filename:
-        return None  # raised by memdoctor's own frame (compiling the script): no user frame to show
+    last = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    if last.startswith((_PACKAGE_DIR, "<frozen ")):
+        return None  # raised while compiling the script (a syntax error): no frame of it to show
     return tb
 
 
