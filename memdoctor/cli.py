@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memdoctor import __version__, exitcodes
-from memdoctor.errors import MemdoctorError, OutputError, UsageError
+from memdoctor.errors import MemdoctorError, OutputError, ScriptError, UsageError
 from memdoctor.outputs import display_path, profile_output_dir, report_output_dir
 from memdoctor.units import format_bytes, parse_size
 
@@ -423,6 +423,28 @@ def check_script(path: Path) -> None:
         raise UsageError(
             f"{path}: is a script for {interpreter!r}, not Python; profile the Python script it runs instead"
         )
+    if path.suffix == ".ipynb" or (head.lstrip().startswith(b"{") and b'"cells"' in head):
+        # JSON is almost valid Python: run as a script, a notebook would fail in confusing ways.
+        raise UsageError(
+            f"{path}: is a Jupyter notebook, not a script; export it first "
+            f"(jupyter nbconvert --to script {path.name}) and profile the .py file"
+        )
+    if path.suffix not in _PYTHON_BINARY_SUFFIXES:
+        check_syntax(path)
+
+
+def check_syntax(path: Path) -> None:
+    """Compile the script here (nothing runs) so that a syntax error is one line and costs no
+    profiling run: the child would only start torch to fail the same way."""
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:  # IndentationError and TabError too
+        where = f"{path}:{exc.lineno}" if exc.lineno else str(path)
+        raise ScriptError(
+            f"{where}: {type(exc).__name__}: {exc.msg}; the script does not compile, nothing was run"
+        ) from None
+    except (ValueError, OSError) as exc:  # null bytes, unreadable
+        raise UsageError(f"{path}: cannot compile it as Python ({_one_line(exc)})") from None
 
 
 def check_module_name(name: str) -> None:
@@ -637,7 +659,8 @@ def _summary_rows(summary: dict[str, Any], status: str | None, message: str | No
         parts = [
             f"{name.replace('_', ' ')} {format_bytes(v)}" for name, v in categories.items() if v is not None
         ]
-        rows.append(("at the peak", ", ".join(parts)))
+        if parts:  # none before a first step: no empty row
+            rows.append(("at the peak", ", ".join(parts)))
     status_text = status or summary.get("status") or "unknown"
     rows.append(("status", escape(f"{status_text}: {message}" if message else status_text)))
     if summary.get("headline"):

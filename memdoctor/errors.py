@@ -29,3 +29,9 @@ class OutputError(MemdoctorError):
     """An output location that cannot be written."""
 
     exit_code = 2
+
+
+class ScriptError(MemdoctorError):
+    """The user's script cannot run at all (it does not compile): found before profiling starts."""
+
+    exit_code = 4

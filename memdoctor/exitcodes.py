@@ -9,7 +9,7 @@ OK = 0  # the steps were profiled (or the script finished after at least one ste
 INTERNAL_ERROR = 1  # a bug in memdoctor
 USAGE_ERROR = 2  # bad command line, missing script, output folder refused
 TRACE_ERROR = 3  # a trace file that cannot be read
-SCRIPT_FAILED = 4  # the script raised, called sys.exit with a non-zero code, crashed or was killed
+SCRIPT_FAILED = 4  # the script does not compile, raised, called sys.exit(non-zero), crashed or was killed
 NO_STEPS = 5  # the script ended without any optimizer step
 OUT_OF_MEMORY = 6  # the script ran out of memory (the trace keeps what was live)
 TIMEOUT = 124  # --timeout expired; the script was stopped
@@ -21,7 +21,10 @@ TABLE: tuple[tuple[int, str], ...] = (
     (INTERNAL_ERROR, "internal error in memdoctor (a bug: please report it with the trace)"),
     (USAGE_ERROR, "usage error: bad arguments, missing script, output folder refused"),
     (TRACE_ERROR, "unreadable trace: missing, corrupt, truncated or from a newer memdoctor"),
-    (SCRIPT_FAILED, "the script failed: an exception, a non-zero sys.exit, a crash, or it was killed"),
+    (
+        SCRIPT_FAILED,
+        "the script failed: a syntax error, an exception, a non-zero sys.exit, a crash, or it was killed",
+    ),
     (NO_STEPS, "the script ended without any optimizer step"),
     (OUT_OF_MEMORY, "the script ran out of memory"),
     (TIMEOUT, "--timeout expired"),

@@ -66,6 +66,7 @@ HEADER = {
     ),
     "not_measured": _list_of(_str),
     "memdoctor_version": _str,
+    "environment": _dict_of(_str),
 }
 EVENT = {
     "kind": _str,

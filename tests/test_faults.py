@@ -11,8 +11,10 @@ Runs that several tests read are made once (``runs`` caches them).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,9 +35,61 @@ pytestmark = pytest.mark.slow
 CHILD_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 OUTPUT_FILES = ("trace.jsonl.gz", "report.html", "summary.json")
 
+# A GAN-style loop: the discriminator (SGD with momentum) steps, then the generator's forward and backward
+# run, then the generator (Adam) steps; one training step, two optimizers.
+GAN = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+g = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt_g = torch.optim.Adam(g.parameters(), lr=1e-3)
+opt_d = torch.optim.SGD(d.parameters(), lr=1e-3, momentum=0.9)
+for _ in range(20):
+    fake = g(torch.randn(16, 4))
+    loss_d = d(torch.randn(16, 4)).mean() - d(fake.detach()).mean()
+    opt_d.zero_grad()
+    loss_d.backward()
+    opt_d.step()
+    loss_g = -d(fake).mean()
+    opt_g.zero_grad()
+    loss_g.backward()
+    opt_g.step()
+"""
+
+# A DataLoader with two worker processes and a slow dataset: the loop waits for its batches.
+WORKERS = """\
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.randn(8), torch.randn(1)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in DataLoader(Slow(), batch_size=4, num_workers=2):
+        (model(x) - y).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
 # A tiny model whose middle module can be told to raise on its n-th forward call (FAIL_AT).
 PRELUDE = """\
 import os
+import re
 import signal
 import sys
 import time
@@ -51,7 +105,7 @@ class Flaky(nn.Module):
 
     def forward(self, x):
         if self.calls == self.fail_at:
-            raise ValueError(f"flaky forward failed on call {self.calls}")
+            raise FAIL_WITH(f"flaky forward failed on call {self.calls}")
         self.calls += 1
         return torch.relu(x)
 
@@ -72,8 +126,9 @@ def train_step():
 """
 
 
-def fault_script(body: str, *, fail_at: int = -1, before: str = "") -> str:
-    return before + f"FAIL_AT = {fail_at}\n" + PRELUDE + body
+def fault_script(body: str, *, fail_at: int = -1, before: str = "", error: str = "ValueError") -> str:
+    """The prelude's model, whose ``Flaky`` module raises ``error`` on its ``fail_at``-th forward."""
+    return before + f"FAIL_AT = {fail_at}\n" + PRELUDE + f"FAIL_WITH = {error}\n\n" + body
 
 
 def tree(root: Path) -> set[str]:
@@ -124,7 +179,12 @@ def make_dirs(base: Path, source: str | None) -> Path:
 
 
 def profile(
-    base: Path, source: str | None, *options: str, out: Path | None = None, args: tuple[str, ...] = ()
+    base: Path,
+    source: str | None,
+    *options: str,
+    out: Path | None = None,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Run:
     """``memdoctor profile OPTIONS -o OUT base/scripts/train.py -- ARGS``, in-process, from ``base/cwd``."""
     script = make_dirs(base, source) if not (base / "scripts").exists() else base / "scripts" / "train.py"
@@ -132,7 +192,7 @@ def profile(
     before = tree(base / "scripts")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(base / "cwd")
-        for key, value in CHILD_ENV.items():
+        for key, value in {**CHILD_ENV, **(env or {})}.items():
             mp.setenv(key, value)
         code = main(["profile", *options, "-o", str(out), str(script), "--", *args])
     return Run(code, base, out, before)
@@ -165,6 +225,34 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         fault_script("for _ in range(2):\n    train_step()\nos.kill(os.getpid(), signal.SIGKILL)\n"),
         STEPS,
     ),
+    "raise_at_step_3": (fault_script("for _ in range(8):\n    train_step()\n", fail_at=3), STEPS),
+    "oom_at_step_0": (
+        fault_script("for _ in range(8):\n    train_step()\n", fail_at=0, error="MemoryError"),
+        STEPS,
+    ),
+    "oom_at_step_3": (
+        fault_script("for _ in range(8):\n    train_step()\n", fail_at=3, error="torch.OutOfMemoryError"),
+        STEPS,
+    ),
+    "nan_loss": (
+        fault_script(
+            "for i in range(8):\n    if i == 2:\n        x[0, 0] = float('nan')\n    train_step()\n"
+        ),
+        STEPS,
+    ),
+    "two_optimizers": (GAN, ("--warmup", "1", "--steps", "3")),
+    "dataloader_workers": (WORKERS, ("--warmup", "1", "--steps", "3")),
+}
+
+# Planted secrets: in the environment and on the script's command line of the raise_at_step_3 run.
+SECRET_ENV = {"HF_TOKEN": "hf_memdoctorPlantedEnvSecret", "WANDB_API_KEY": "memdoctorPlantedWandbKey"}
+SECRET_ARG = "memdoctorPlantedArgSecret"
+ALLOWED_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+CASE_EXTRAS: dict[str, dict[str, Any]] = {
+    "raise_at_step_3": {
+        "env": {**SECRET_ENV, **ALLOWED_ENV},
+        "args": ("--token", SECRET_ARG, f"--api-key={SECRET_ARG}", "--lr", "0.1"),
+    },
 }
 
 
@@ -176,7 +264,8 @@ class Runs:
     def __getitem__(self, case: str) -> Run:
         if case not in self.done:
             source, options = CASES[case]
-            self.done[case] = profile(self.factory.mktemp(case), source, *options)
+            extras = CASE_EXTRAS.get(case, {})
+            self.done[case] = profile(self.factory.mktemp(case), source, *options, **extras)
         return self.done[case]
 
 
@@ -419,3 +508,339 @@ def test_timeout_stops_a_script_that_never_steps(tmp_path: Path) -> None:
     assert end["memdoctor_exit_code"] == exitcodes.TIMEOUT and end["status"] == "timeout"
     assert run.complete_steps() == []
     run.assert_clean()
+
+
+# ------------------------------------------------------------------------------- scripts that cannot run
+
+NOTEBOOK = '{\n "cells": [{"cell_type": "code", "source": ["import torch"]}],\n "nbformat": 4\n}\n'
+NOT_RUNNABLE = {
+    # name: (file, content, exit code, what the one line says)
+    "notebook": ("train.ipynb", NOTEBOOK, exitcodes.USAGE_ERROR, "Jupyter notebook"),
+    "markdown": (
+        "notes.md",
+        "# Notes\n\nTrain with lr 3e-5, then evaluate.\n",
+        exitcodes.SCRIPT_FAILED,
+        "notes.md:3",
+    ),
+    "syntax_error": ("train.py", "import torch\nx = (1,\ndef f(:\n", exitcodes.SCRIPT_FAILED, "train.py:3"),
+    "indentation": ("train.py", "import torch\n  x = 1\n", exitcodes.SCRIPT_FAILED, "IndentationError"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_RUNNABLE))
+def test_a_script_that_cannot_run_is_one_line_and_writes_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], case: str
+) -> None:
+    name, content, code, expected = NOT_RUNNABLE[case]
+    make_dirs(tmp_path, None)
+    script = tmp_path / "scripts" / name
+    script.write_text(content)
+    before = tree(tmp_path / "scripts")
+    out = tmp_path / "out"
+    start = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path / "cwd")
+        assert main(["profile", "-o", str(out), str(script)]) == code
+    assert time.monotonic() - start < 5, "refused before starting a child"
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert expected in err and "Traceback" not in err
+    if code == exitcodes.SCRIPT_FAILED:
+        assert "SyntaxError" in err or "IndentationError" in err
+    assert not out.exists()
+    Run(code, tmp_path, out, before).assert_clean()
+
+
+def test_missing_module_with_dash_m(tmp_path: Path) -> None:
+    make_dirs(tmp_path, None)
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path / "cwd")
+        for key, value in CHILD_ENV.items():
+            mp.setenv(key, value)
+        code = main(["profile", "-o", str(out), "-m", "memdoctor_test_no_such_module"])
+    run = Run(code, tmp_path, out, set())
+    assert code == exitcodes.SCRIPT_FAILED
+    run.assert_outputs()
+    assert run.end()["status"] == "exception" and "memdoctor_test_no_such_module" in run.end()["message"]
+    assert run.summary["fault"]["exception_type"].endswith("ImportError")
+    assert run.complete_steps() == []
+    run.assert_clean()
+
+
+def _unwritable(base: Path) -> Path:
+    """An output folder that cannot be written: read-only for a normal user; root ignores file modes,
+    so for root a folder in /sys, which not even root may create."""
+    if os.geteuid() != 0:
+        folder = base / "readonly"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return folder / "out"
+    return Path("/sys/memdoctor-test-unwritable-output")
+
+
+def test_unwritable_output_folder_is_one_line_and_writes_nothing_elsewhere(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    out = _unwritable(tmp_path)
+    try:
+        run = profile(tmp_path, fault_script("for _ in range(5):\n    train_step()\n"), out=out)
+    finally:
+        if out.parent != Path("/sys"):
+            out.parent.chmod(0o755)
+    assert run.code == exitcodes.USAGE_ERROR
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert str(out) in err and "cannot" in err and "-o" in err and "Traceback" not in err
+    assert not out.exists()
+    run.assert_clean()
+    assert tree(tmp_path) <= {"scripts", "scripts/train.py", "cwd", "readonly"}
+
+
+# ----------------------------------------------------------------------------------------- more faults
+
+
+def test_raise_in_forward_at_step_3(runs: Runs) -> None:
+    run = runs["raise_at_step_3"]
+    assert run.code == exitcodes.SCRIPT_FAILED
+    run.assert_outputs()
+    trace = run.trace
+    assert [(s.step, s.complete) for s in trace.steps] == [(0, True), (1, True), (2, True), (3, False)]
+    event = trace.events[-1]
+    assert (event["kind"], event["step"], event["phase"], event["module_name"]) == (
+        "exception",
+        3,
+        "forward",
+        "1",
+    )
+    assert "step 3" in run.end()["message"] and run.end()["steps_recorded"] == 3
+    fault = run.summary["fault"]
+    assert (fault["step"], fault["phase"], fault["module_name"]) == (3, "forward", "1")
+    assert "at step 3, in the forward of 1" in run.summary["headline"]
+    assert "at step 3, in the forward of 1" in (run.out / "report.html").read_text()
+    run.assert_clean()
+
+
+def _plain(path: Path) -> str:
+    data = path.read_bytes()
+    return gzip.decompress(data).decode() if path.suffix == ".gz" else data.decode()
+
+
+def test_environment_and_secrets_never_reach_the_outputs(runs: Runs) -> None:
+    """Only allow-listed environment variables are recorded; planted secrets (environment, argv) are not
+    in the trace, the report or the summary."""
+    run = runs["raise_at_step_3"]
+    header = run.trace.header
+    assert header["environment"] == {**CHILD_ENV, **ALLOWED_ENV}
+    assert header["command"]["argv"] == ["--token", "<redacted>", "--api-key=<redacted>", "--lr", "0.1"]
+    for name in OUTPUT_FILES:
+        text = _plain(run.out / name)
+        for secret in [*SECRET_ENV.values(), SECRET_ARG]:
+            assert secret not in text, f"a planted secret reached {name}"
+        for var in SECRET_ENV:
+            assert var not in text, f"{var} reached {name}"
+
+
+@pytest.mark.parametrize(
+    ("case", "step", "error"), [("oom_at_step_0", 0, "MemoryError"), ("oom_at_step_3", 3, "OutOfMemoryError")]
+)
+def test_out_of_memory_names_the_step_and_the_module(runs: Runs, case: str, step: int, error: str) -> None:
+    run = runs[case]
+    assert run.code == exitcodes.OUT_OF_MEMORY
+    run.assert_outputs()
+    assert run.complete_steps() == list(range(step))
+    end = run.end()
+    assert end["status"] == "oom" and end["memdoctor_exit_code"] == exitcodes.OUT_OF_MEMORY
+    assert f"ran out of memory at step {step} in forward of 1" in end["message"]
+    event = run.trace.events[-1]
+    assert (event["kind"], event["step"], event["phase"], event["module_name"]) == (
+        "oom",
+        step,
+        "forward",
+        "1",
+    )
+    assert event["exception_type"].endswith(error)
+    summary = run.summary
+    assert summary["fault"]["kind"] == "oom" and summary["status"] == "oom"
+    assert summary["live_at_fault"] is not None and summary["live_at_fault"]["step"] == step
+    sentence = f"out of memory at step {step}, in the forward of 1"
+    assert sentence in summary["headline"] and sentence in (run.out / "report.html").read_text()
+    run.assert_clean()
+
+
+def test_nan_loss_completes_and_names_the_first_nonfinite_module(runs: Runs) -> None:
+    run = runs["nan_loss"]
+    assert run.code == exitcodes.OK
+    run.assert_outputs()
+    assert run.end()["status"] == "completed" and run.complete_steps() == [0, 1, 2, 3, 4, 5]
+    flags = [f for f in run.summary["grad_flags"] if f["kind"] == "nonfinite"]
+    assert [(f["module"], f["step"]) for f in flags] == [("2", 2)]  # the last Linear: first in backward
+    norms = {row["step"]: row["global"] for row in run.summary["grad_norm"]}
+    assert norms[1] is not None and norms[2] is None
+    run.assert_clean()
+
+
+def test_two_optimizers_count_one_step_per_training_step(runs: Runs) -> None:
+    run = runs["two_optimizers"]
+    assert run.code == exitcodes.OK
+    run.assert_outputs()
+    steps = run.trace.steps
+    # steps 0 and 1 are the first iteration's two halves (the session learns the cycle), both warm-up
+    assert [(s.step, s.warmup, s.complete) for s in steps] == [
+        (0, True, True),
+        (1, True, True),
+        (2, False, True),
+        (3, False, True),
+        (4, False, True),
+    ]
+    assert run.summary["steps_profiled"] == 3
+    for step in run.trace.profiled_steps():
+        assert step.micro_batches == 2
+        state = {m: sum(cols["optimizer_state_bytes"]) for m, cols in step.modules.items()}
+        assert state[0] > 0 and state[1] > 0, state
+    assert len(run.trace.models) == 2
+    by_model = {m: 0 for m in (0, 1)}
+    for row in run.summary["layers"]:
+        by_model[row["model"]] += row["optimizer_state_bytes"] or 0
+    assert by_model[0] > 0 and by_model[1] > 0
+    run.assert_clean()
+
+
+def test_dataloader_workers_do_not_break_the_run(runs: Runs) -> None:
+    run = runs["dataloader_workers"]
+    assert run.code == exitcodes.OK
+    run.assert_outputs()
+    assert run.end()["status"] == "completed" and run.complete_steps() == [0, 1, 2, 3]
+    summary = run.summary
+    assert summary["data"]["source"] == "dataloader"
+    assert summary["dataloader_wait_fraction"] is not None and summary["dataloader_wait_fraction"] > 0.1
+    run.assert_clean()
+
+
+# ----------------------------------------------------------------------------------------- bad traces
+
+
+def _report(tmp_path: Path, trace_bytes: bytes, capfd: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    trace = tmp_path / "trace.jsonl.gz"
+    trace.write_bytes(trace_bytes)
+    code = main(["report", "-o", str(tmp_path / "rendered"), str(trace)])
+    return code, capfd.readouterr().err.strip().splitlines()
+
+
+HEADER_LINE = '{"type":"header","format":"memdoctor-trace","format_version":1}\n'
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"", "not a gzip file"),
+        (gzip.compress(b""), "empty trace file"),
+        (gzip.compress(HEADER_LINE.replace(":1}", ":2}").encode() + b'{"type":"end"}\n'), "newer"),
+    ],
+    ids=["empty-file", "empty-gzip", "future-version"],
+)
+def test_empty_and_future_traces_are_one_line_exit_3(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], data: bytes, expected: str
+) -> None:
+    code, err = _report(tmp_path, data, capfd)
+    assert code == exitcodes.TRACE_ERROR
+    assert len(err) == 1 and expected in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "rendered").exists()
+
+
+def _model_line(n: int, name: str = "m") -> str:
+    """A model record declaring ``n`` modules, written without building ``n`` Python objects."""
+
+    def column(item: str) -> str:
+        return "[" + ",".join([item] * n) + "]"
+
+    parents = "[-1" + ",0" * (n - 1) + "]"
+    return (
+        '{"type":"model","model":0,"class":"M","modules":{'
+        f'"name":{column(json.dumps(name))},"type":{column(chr(34) + "L" + chr(34))},"parent":{parents},'
+        f'"param_bytes":{column("0")},"param_count":{column("0")},"trainable_param_bytes":{column("0")}'
+        "}}\n"
+    )
+
+
+def test_ten_million_declared_layers_are_refused_quickly(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    data = gzip.compress((HEADER_LINE + _model_line(10**7) + '{"type":"end"}\n').encode(), compresslevel=1)
+    start = time.monotonic()
+    code, err = _report(tmp_path, data, capfd)
+    assert time.monotonic() - start < 30
+    assert code == exitcodes.TRACE_ERROR and len(err) == 1 and "larger than" in err[0]
+
+
+def test_megabyte_long_names_are_refused(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    data = gzip.compress((HEADER_LINE + _model_line(1, "x" * 2**20) + '{"type":"end"}\n').encode())
+    code, err = _report(tmp_path, data, capfd)
+    assert code == exitcodes.TRACE_ERROR and len(err) == 1 and "longer than" in err[0]
+
+
+def test_absurdly_large_figures_still_render(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Values that are valid but absurd (a 10^30-byte peak, a megabyte-long event message) render."""
+    from tests.tracebuilder import oom_trace
+
+    records = oom_trace(2).records()
+    for rec in records:
+        if rec["type"] == "step":
+            rec["memory"]["peak_bytes"] = 10**30
+        if rec["type"] == "event":
+            rec["message"] = "m" * 2**20
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    code, err = _report(tmp_path, gzip.compress(text.encode()), capfd)
+    assert code == exitcodes.OK, err
+    html = (tmp_path / "rendered" / "report.html").read_text()
+    assert "m" * 2**16 not in html  # the message was cut when loaded
+
+
+# ------------------------------------------------------------------------------ the report loads nothing
+
+CSP_RE = re.compile(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">')
+
+
+def test_faulted_report_loads_nothing_from_the_network(runs: Runs) -> None:
+    """The CSP of a real run's report forbids every network load: nothing but inline styles and data:
+    images, no base URL, no form target; and the page names no remote resource."""
+    html = (runs["raise_at_step_3"].out / "report.html").read_text()
+    policies = CSP_RE.findall(html)
+    assert len(policies) == 1
+    directives = {d.split()[0]: d.split()[1:] for d in policies[0].split(";") if d.strip()}
+    assert directives["default-src"] == ["'none'"]
+    assert directives["base-uri"] == ["'none'"] and directives["form-action"] == ["'none'"]
+    allowed = {src for sources in directives.values() for src in sources}
+    assert allowed <= {"'none'", "data:", "'unsafe-inline'"}, allowed
+    assert directives.get("img-src") == ["data:"] and "script-src" not in directives
+    assert not re.search(r"""(src|href|action)\s*=\s*["']?\s*(https?:|//|ftp:)""", html, re.I)
+
+
+# ----------------------------------------------------------------------------------------- where, in words
+
+HEADLINES = {
+    "raise_at_import": "The script died of ModuleNotFoundError before its first training step",
+    "raise_at_step_0": "The script died of ValueError at step 0, in the forward of 1",
+    "exit_3_after_1": "The script called sys.exit(3) at step 1",  # between steps: in the next one
+    "os_exit_after_2": "The script died of an abrupt exit with code 7 (os._exit, or native code ending the "
+    "process) after 2 complete steps",
+    "segfault_after_2": "The script died of a crash (SIGSEGV) after 2 complete steps",
+    "sigkill_after_2": "The script was killed by SIGKILL after 2 complete steps",
+}
+
+
+@pytest.mark.parametrize("case", list(HEADLINES))
+def test_the_headline_says_where_the_run_died(runs: Runs, case: str) -> None:
+    run = runs[case]
+    headline = run.summary["headline"]
+    assert headline.startswith(HEADLINES[case]), headline
+    assert HEADLINES[case] in " ".join((run.out / "report.html").read_text().split())
+
+
+def test_a_fault_before_any_step_records_no_empty_step(runs: Runs) -> None:
+    """Nothing ran, so nothing is shown as measured: no step of 0 B, no peak, no step in the fault."""
+    run = runs["raise_at_import"]
+    assert run.trace.steps == []
+    summary = run.summary
+    assert summary["peak_memory_bytes"] is None and summary["steps"] == []
+    assert summary["fault"]["step"] is None and run.trace.events[-1]["step"] is None

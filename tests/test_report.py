@@ -93,7 +93,8 @@ def test_csp_and_no_external_resources(html: str) -> None:
     assert csp == [
         {
             "http-equiv": "Content-Security-Policy",
-            "content": "default-src 'none'; img-src data:; style-src 'unsafe-inline'",
+            "content": "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; "
+            "form-action 'none'",
         }
     ]
     for _, attrs in tags:

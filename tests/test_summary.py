@@ -176,7 +176,7 @@ def test_fault_without_events_comes_from_the_end_record() -> None:
     s = build_summary(b.end("killed", "killed by SIGKILL", signal="SIGKILL", exit_code=None).build())
     assert s["fault"]["kind"] == "killed"
     assert s["fault"]["message"] == "killed by SIGKILL"
-    assert s["headline"] == "The script was killed by SIGKILL."
+    assert s["headline"] == "The script was killed by SIGKILL after 2 complete steps."
     assert s["live_at_fault"] is None  # every step completed
 
 

@@ -728,7 +728,8 @@ def fault_info(trace: Trace) -> dict[str, Any] | None:
         "exception_type": event.get("exception_type"),
         "signal": end.get("signal"),
         "exit_code": end.get("exit_code"),
-        "step": _first(event.get("step"), where.get("step")),
+        # An event with a null step: the script died before its first training step.
+        "step": event["step"] if "step" in event else where.get("step"),
         "phase": _first(event.get("phase"), where.get("phase")),
         "module_name": _first(_event_module(trace, event), where.get("module_name")),
     }
@@ -871,8 +872,13 @@ def memory_limit(summary: dict[str, Any]) -> tuple[int | None, str]:
 def fault_sentence(summary: dict[str, Any], fault: dict[str, Any]) -> str:
     """E.g. ``The script died of CUDA out of memory at step 0, in the backward of encoder.layer.11, ...``"""
     text = _fault_subject(summary, fault)
+    complete = sum(1 for row in summary.get("steps") or [] if row.get("complete"))
     if fault.get("step") is not None:
         text += f" at step {fault['step']}"
+    elif fault.get("kind") in ("exception", "oom", "script_exit", "interrupted"):
+        text += " before its first training step"  # the script said where: in no step yet
+    else:  # a hard death: no Python frame said where
+        text += f" after {complete} complete step{'s' if complete != 1 else ''}"
     text += _fault_place(fault)
     return text + _fault_memory(summary) + "."
 
@@ -909,6 +915,8 @@ def _fault_cause(summary: dict[str, Any], fault: dict[str, Any]) -> str:
         return str(fault["exception_type"])
     if kind == "crashed" and fault.get("signal"):
         return f"a crash ({fault['signal']})"
+    if kind == "crashed" and fault.get("exit_code") is not None:
+        return f"an abrupt exit with code {fault['exit_code']} (os._exit, or native code ending the process)"
     return _FAULT_WORDS.get(str(kind), str(kind or "an unknown cause"))
 
 

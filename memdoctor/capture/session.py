@@ -44,6 +44,9 @@ from memdoctor.device import Device, default_device
 from memdoctor.trace import StepRecord
 
 Sink = Callable[[dict[str, Any]], None]
+# An optimizer of the training step that has not stepped for this many optimizer steps is no longer one
+# (see ProfileSession._note_optimizer); well above a WGAN's 5-10 critic steps per generator step.
+_STALE_AFTER = 32
 
 
 class _Frame:
@@ -127,6 +130,14 @@ class ProfileSession:
         self._index: dict[int, tuple[int, int]] = {}
         self._known_opts: set[int] = set()
         self._optimizers: list[torch.optim.Optimizer] = []
+        # Which optimizers make one training step (see _note_optimizer): learned, None until known.
+        self._cycle: frozenset[int] | None = None
+        self._since_cycle: list[int] = []  # optimizers stepped since the cycle was last seen to start
+        self._cycle_last: int | None = None  # the optimizer that steps last in a training step
+        self._opt_count = 0  # optimizer steps so far, and the count at each optimizer's last step
+        self._last_step_at: dict[int, int] = {}
+        self._first_step_at: dict[int, int] = {}
+        self._stepped: set[int] = set()  # optimizers stepped in the step in progress
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
         self._param_ptrs: dict[int, int] = {}  # storage address -> bytes, of every known parameter
@@ -234,6 +245,8 @@ class ProfileSession:
         """Write what the step in progress measured so far, marked incomplete (the script is dying)."""
         self._emit_ready(wait=True)
         self._stop_history(self._data)
+        if not (self._roots_seen or self._known_opts):
+            return None  # no forward, no optimizer step: no step began, and a record would show 0 B
         self._fault_sample()
         if len(self._data.samples) < 2:
             return None
@@ -266,9 +279,12 @@ class ProfileSession:
         name = None
         if loc is not None:
             name = self.models[loc[0]].info.names[loc[1]]
+        started = bool(self._roots_seen or self._known_opts)
         return {
-            "step": self._step_index,
-            "phase": self._data.phase,
+            # Between steps (loading the next batch) the script is in the next step already; before any
+            # forward or optimizer step (importing, building the model) it is in no step yet.
+            "step": self.current_step() if started else None,
+            "phase": self.current_phase() if started else "other",
             "model": loc[0] if loc else None,
             "module": loc[1] if loc else None,
             "module_name": name,
@@ -278,11 +294,11 @@ class ProfileSession:
     def current_step(self) -> int:
         """The step the script is in now: after a step's optimizer step (data loading for the next
         step, say) that is already the next step, as it is in the step records."""
-        return self._step_index + (1 if self._data.opt_posts else 0)
+        return self._step_index + (1 if self._data.opt_posts and self._cycle_done() else 0)
 
     def current_phase(self) -> str:
         """``forward``, ``backward``, ``optimizer`` or ``other`` (between steps: data loading, logging)."""
-        return "other" if self._data.opt_posts else self._data.phase
+        return "other" if self._data.opt_posts and self._cycle_done() else self._data.phase
 
     def current_module(self) -> tuple[int, int] | None:
         """``(model, module index)`` of the innermost module running forward, if known."""
@@ -442,7 +458,7 @@ class ProfileSession:
     def _root_call(self, module: nn.Module) -> None:
         self._fault_at = None  # an exception the script caught is history now
         data = self._data
-        if data.opt_posts and data.forwards:
+        if data.opt_posts and data.forwards and self._cycle_done():
             self._finalize_step()
             data = self._data
         if self._pending:
@@ -541,6 +557,7 @@ class ProfileSession:
             self._stack.clear()
         if id(opt) not in self._known_opts:
             self._discover(opt)
+        self._note_optimizer(id(opt))
         self._sample("opt_pre", None, 0)
         if self._opt_notified != self._step_index:
             self._opt_notified = self._step_index
@@ -564,6 +581,8 @@ class ProfileSession:
         for c in list(self.collectors):
             self._call(c, "on_optimizer_end", self._step_index)
         now, following = self.detailed(self._step_index), self.detailed(self._step_index + 1)
+        if not self._cycle_done(last=id(opt)):
+            return  # another optimizer of this training step is still to step (a GAN's generator)
         if not (now and following):
             # The next step's hooks differ from this one's: close the step at its optimizer step and
             # switch the module hooks here, outside any forward.
@@ -576,6 +595,47 @@ class ProfileSession:
         # crash right after it keeps it. On CUDA that waits for the step's GPU work: only the
         # warm-up, first and last profiled steps pay this; timing steps are written without waiting.
         self._write_provisional()
+
+    def _note_optimizer(self, key: int) -> None:
+        """Learn which optimizers make one training step: those that step between two steps of the
+        same optimizer. One optimizer is the common case; a GAN steps its discriminator's and then its
+        generator's, with a forward between them, and a training step ends only after both.
+
+        The set only grows (a WGAN's critic steps several times between two generator steps: the
+        critic alone repeating says nothing about the generator), except that an optimizer leaves it
+        when it has not stepped since one of those now stepping first did (a script that moved on to
+        another optimizer), or for ``_STALE_AFTER`` optimizer steps, so that steps close again."""
+        self._opt_count += 1
+        self._first_step_at.setdefault(key, self._opt_count)
+        if key in self._since_cycle:
+            seen = frozenset(self._since_cycle)
+            if self._cycle is None or seen >= self._cycle or self._stale(self._cycle - seen, seen):
+                self._cycle, self._cycle_last = seen, self._since_cycle[-1]
+            self._since_cycle = []
+        self._since_cycle.append(key)
+        self._stepped.add(key)
+        self._last_step_at[key] = self._opt_count
+
+    def _stale(self, missing: frozenset[int], seen: frozenset[int]) -> bool:
+        newest = max(self._first_step_at[k] for k in seen)
+        return any(
+            self._last_step_at[k] < newest or self._opt_count - self._last_step_at[k] > _STALE_AFTER
+            for k in missing
+        )
+
+    def _cycle_done(self, last: int | None = None) -> bool:
+        """Whether every optimizer of a training step has stepped in the step in progress; with
+        ``last`` (the optimizer that just stepped), also whether it is the one that ends the cycle: on
+        a timing step the step ends at an optimizer step, and must end after the cycle's last one."""
+        if self._cycle is None:
+            return True
+        return self._cycle <= self._stepped and (last is None or last == self._cycle_last)
+
+    def _set_warmup(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._history_steps = {0, warmup, warmup + self.steps - 1}
+        if self._detail_steps is not None:
+            self._detail_steps = set(range(warmup)) | {warmup, warmup + self.steps - 1}
 
     def _write_provisional(self) -> None:
         """Write the step now, marked complete; if a second optimizer steps before the next forward,
@@ -595,6 +655,11 @@ class ProfileSession:
         self.sink(self._step_record(rec, data))
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
+        if self._known_opts and self._cycle is None and 0 < self._step_index == self.warmup:
+            # A second optimizer that first steps after another's step (a GAN's generator after its
+            # discriminator): the steps so far each held a part of a training step, so the first
+            # profiled step becomes one more warm-up step, and the profiled steps are whole ones.
+            self._set_warmup(self.warmup + 1)
         self._known_opts.add(id(opt))
         self._optimizers.append(opt)
         params = {id(p) for p in optimizer_params(opt)}
@@ -718,6 +783,7 @@ class ProfileSession:
 
     def _new_step(self, first: bool = False, carry: list[Sample] | None = None) -> None:
         self._data = StepData(step=self._step_index)
+        self._stepped = set()
         if not first:
             self.device.reset_peak()
             self._start_history()

@@ -23,6 +23,7 @@ import types
 from typing import Any
 
 ENV_VAR = "MEMDOCTOR_CHILD"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memdoctor/
 EXIT_STOPPED = 0
 
 
@@ -66,6 +67,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
 
     from memdoctor import __version__
     from memdoctor.capture.collectors import make_collectors
+    from memdoctor.environment import recorded_environment
     from memdoctor.trace import make_header
 
     cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
@@ -82,6 +84,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
             "torch": torch.__version__,
             "platform": platform.platform(),
         },
+        environment=recorded_environment(),
         device=described,
         not_measured=device.not_measured() + unavailable,
         collectors=[c.name for c in collectors],
@@ -179,9 +182,12 @@ def _user_tb(tb: Any) -> Any:
     """The traceback from the script's first frame on, as ``python SCRIPT`` would print it."""
     while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
-        if "memdoctor" not in name and "runpy" not in name:
+        if "memdoctor" not in name and "runpy" not in name and not name.startswith("<frozen "):
             break
         tb = tb.tb_next
+    last = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    if last.startswith((_PACKAGE_DIR, "<frozen ")):
+        return None  # raised while compiling the script (a syntax error): no frame of it to show
     return tb
 
 

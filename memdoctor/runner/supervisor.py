@@ -206,7 +206,7 @@ def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
         return (
             "completed",
             exitcodes.OK,
-            f"profiled {steps} steps ({trace.settings.get('warmup', 0)} warm-up)",
+            f"profiled {steps} steps ({sum(1 for s in trace.steps if s.complete and s.warmup)} warm-up)",
         )
     if kind == "interrupted" or outcome.interrupted:
         return "interrupted", exitcodes.INTERRUPTED, f"interrupted (Ctrl-C) after {steps} complete steps"
