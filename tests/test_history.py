@@ -113,3 +113,18 @@ def test_summary_and_report_carry_the_peak_ledger(tmp_path):
     assert summary["peak_ledger"]["step"] == trace.steps[-1].step
     html = render_report(trace, summary)
     assert "<script>x</script>" not in html
+
+
+def test_site_skips_memdoctors_own_frames():
+    # Under the flops collector's dispatch mode the allocating op is called from memdoctor's frame:
+    # the site must still name the script's code.
+    frames = [
+        {"filename": "/x/torch/_ops.py", "line": 865, "name": "__call__"},
+        {"filename": "/s/memdoctor/capture/flops.py", "line": 247, "name": "__torch_dispatch__"},
+        {
+            "filename": "/x/transformers/models/bert/modeling_bert.py",
+            "line": 125,
+            "name": "eager_attention_forward",
+        },
+    ]
+    assert _site(frames) == "_ops.py:865 (__call__) <- modeling_bert.py:125 (eager_attention_forward)"

@@ -114,7 +114,9 @@ def _match(ptrs: dict[int, int], entry: dict[str, Any]) -> int | None:
 
 def _site(frames: Iterable[dict[str, Any]] | None) -> str:
     """The allocating code: the innermost frame, and the first frame outside PyTorch that led there."""
-    frames = list(frames or [])
+    # memdoctor's own frames (a collector's dispatch mode or copy wrapper on the stack) are not the
+    # allocating code: skip them, so the site names the script's line.
+    frames = [f for f in frames or [] if _MEMDOCTOR_DIR not in str(f.get("filename", ""))]
     if not frames:
         return "autograd backward (no Python frame)"
     inner = _fmt(frames[0])
@@ -122,6 +124,9 @@ def _site(frames: Iterable[dict[str, Any]] | None) -> str:
     if outer is None or outer is frames[0]:
         return inner
     return f"{inner} <- {_fmt(outer)}"
+
+
+_MEMDOCTOR_DIR = os.sep + "memdoctor" + os.sep + "capture" + os.sep
 
 
 def _fmt(frame: dict[str, Any]) -> str:
