@@ -362,7 +362,21 @@ def test_timeline_series_is_plot_ready(bert: Trace) -> None:
     n = len(series["t_ms"])
     assert all(len(v) == n for v in series["categories"].values())
     assert set(series["allocator"]) == {"allocated", "reserved"}
-    assert [p["phase"] for p in series["phases"]] == ["other", "forward", "backward", "optimizer"]
+    assert [p["phase"] for p in series["phases"]] == ["forward", "backward", "optimizer"]
     spans = series["phases"]
     assert all(a["end_ms"] == b["start_ms"] for a, b in itertools.pairwise(spans))
     assert series["peak_bytes"] == step.memory["peak_bytes"]
+
+
+def test_phase_spans_colour_the_interval_that_ends_at_each_sample() -> None:
+    from memdoctor.analysis.summary import phase_spans
+
+    # the step opens after the last step's optimizer step: 200 ms of data loading ("other"), then
+    # the forward and the backward
+    t = [0.0, 200.0, 210.0, 250.0, 300.0]
+    phases = ["optimizer", "other", "forward", "forward", "backward"]
+    assert phase_spans(t, phases) == [
+        {"phase": "other", "start_ms": 0.0, "end_ms": 200.0},
+        {"phase": "forward", "start_ms": 200.0, "end_ms": 250.0},
+        {"phase": "backward", "start_ms": 250.0, "end_ms": 300.0},
+    ]

@@ -275,15 +275,16 @@ def _series(col: list[Any] | None) -> list[int | None]:
 
 
 def phase_spans(t_ms: list[float], phases: list[Any]) -> list[dict[str, Any]]:
-    """Runs of samples in one phase as ``{phase, start_ms, end_ms}``; a span ends where the next starts."""
+    """Runs of one phase as ``{phase, start_ms, end_ms}``. A sample's phase is that of the interval
+    that ends at it (see ``memdoctor.capture.stepbuild.interval_phases``), so sample i colours the
+    time from sample i-1 to sample i."""
     spans: list[dict[str, Any]] = []
-    for t, phase in zip(t_ms, phases, strict=False):
+    for i in range(1, min(len(t_ms), len(phases))):
+        start, end, phase = t_ms[i - 1], t_ms[i], phases[i]
         if spans and spans[-1]["phase"] == phase:
-            spans[-1]["end_ms"] = t
-            continue
-        if spans:
-            spans[-1]["end_ms"] = t
-        spans.append({"phase": phase, "start_ms": t, "end_ms": t})
+            spans[-1]["end_ms"] = end
+        else:
+            spans.append({"phase": phase, "start_ms": start, "end_ms": end})
     return spans
 
 

@@ -99,7 +99,10 @@ def timeline(series: dict[str, Any], limit: int | None = None, limit_label: str 
     t = series["t_ms"]
     if len(t) < 2:
         return None
-    top = _timeline_top(series, limit)
+    # A limit far above the step's memory (an H200's 140 GiB under a 10 GiB step) would flatten the
+    # plot: it is then named in a corner instead of drawn.
+    far = bool(limit) and limit_off_scale(series, limit)  # type: ignore[arg-type]
+    top = _timeline_top(series, None if far else limit)
     scale, unit = byte_unit(top)
     with matplotlib.rc_context(_RC):
         fig = _figure(9.0, 3.8)
@@ -108,7 +111,18 @@ def timeline(series: dict[str, Any], limit: int | None = None, limit_label: str 
         _stack(ax, t, series["categories"], scale)
         _allocator_lines(ax, t, series["allocator"], scale)
         _mark_peak(ax, series, scale)
-        if limit:
+        if limit and far:
+            ax.annotate(
+                f"{limit_label} {format_bytes(limit)}: off the scale",
+                (0.0, 1.0),
+                xycoords="axes fraction",
+                xytext=(4, -12),
+                textcoords="offset points",
+                ha="left",
+                color="#b00020",
+                fontsize=8,
+            )
+        elif limit:
             ax.axhline(limit / scale, color="#b00020", linestyle="--", linewidth=1.2)
             ax.annotate(
                 f"{limit_label} {format_bytes(limit)}",
@@ -124,6 +138,14 @@ def timeline(series: dict[str, Any], limit: int | None = None, limit_label: str 
         ax.set_ylabel(f"memory ({unit})")
         ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False, ncols=4)
     return svg_data_uri(fig)
+
+
+LIMIT_OFF_SCALE = 3.0  # a limit more than this many times the step's top is named, not drawn
+
+
+def limit_off_scale(series: dict[str, Any], limit: int) -> bool:
+    """Whether ``limit`` is so far above the step's memory that drawing it would flatten the plot."""
+    return limit > LIMIT_OFF_SCALE * _timeline_top(series, None)
 
 
 def _timeline_top(series: dict[str, Any], limit: int | None) -> float:

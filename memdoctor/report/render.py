@@ -130,6 +130,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "layers": an.layer_table(trace, step),
         "layer_chart": plots.layer_bars(an.top_layers(trace, step)) if step else None,
         "timeline_chart": plots.timeline(series, limit, limit_label) if series else None,
+        "timeline_limit_off_scale": bool(series and limit and plots.limit_off_scale(series, limit)),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
         "timeline_skipped_ms": series["skipped_ms"] if series else 0.0,
         "grad_chart": plots.grad_norms(an.grad_norm_chart(trace)),
