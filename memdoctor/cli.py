@@ -325,6 +325,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         time_depth=ns.time_depth,
         detail=ns.detail,
         collect=ns.collect,
+        progress=importlib.import_module("memdoctor.runner.progress").wanted(),
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     _say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
