@@ -92,3 +92,18 @@ def test_a_planted_external_image_is_caught(bert_report: Path, tmp_path: Path) -
     assert any("inline script" in line for line in page.problems)
     assert dom_facts(page.dom).external == ["<img src=http://192.0.2.1/pixel.png>"]
     assert not any('"ran"' in line for line in page.log.splitlines())  # the script did not run
+
+
+def test_diff_page_in_chromium(tmp_path: Path) -> None:
+    """``memdoctor diff -o``'s page: same base template, same CSP, a clean console."""
+    from memdoctor.compare import diff_runs, load_run, render_diff_html
+
+    assert CHROMIUM is not None
+    data = diff_runs(load_run(BERT), load_run(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"))
+    page_path = tmp_path / "diff.html"
+    page_path.write_text(render_diff_html(data), encoding="utf-8")
+    page = load(CHROMIUM, page_path, tmp_path)
+    facts = dom_facts(page.dom)
+    assert facts.h2_ids == ["overview", "categories", "layers"]
+    assert "bert.encoder.layer.0" in page.dom and facts.external == []
+    assert page.problems == [], page.problems
