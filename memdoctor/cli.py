@@ -325,6 +325,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         time_depth=ns.time_depth,
         detail=ns.detail,
         collect=ns.collect,
+        progress=importlib.import_module("memdoctor.runner.progress").wanted(),
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     _say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
@@ -621,6 +622,98 @@ def _cards_table(cards: list[dict[str, Any]], table_cls: Any) -> Any:
     return table
 
 
+# ----------------------------------------------------------------------------------------- check, diff
+
+
+def configure_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", type=Path, metavar="TRACE", help="a trace.jsonl.gz, or a report folder")
+    p.add_argument(
+        "--max-peak", type=_arg_type(parse_size), metavar="SIZE", help="the peak memory allowed, e.g. 7.5GiB"
+    )
+    p.add_argument(
+        "--max-step-time-ratio",
+        type=_arg_type(_positive_float),
+        metavar="X",
+        help="the step time allowed, as a multiple of --baseline's (e.g. 1.1)",
+    )
+    p.add_argument("--baseline", type=Path, metavar="TRACE", help="the run to compare the step time with")
+    p.epilog = (
+        "exit codes: 0 within the limits; 7 a limit is exceeded (one line says by how much); "
+        "2 usage error; 3 unreadable trace"
+    )
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def check_command(ns: argparse.Namespace) -> int:
+    from memdoctor.compare import check_run, load_run
+
+    baseline = load_run(ns.baseline) if ns.baseline is not None else None
+    verdict = check_run(load_run(ns.trace), ns.max_peak, ns.max_step_time_ratio, baseline)
+    for line in verdict.lines:
+        print(line)
+    return exitcodes.OK if verdict.ok else exitcodes.LIMIT_EXCEEDED
+
+
+def configure_diff(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", type=Path, metavar="A", help="the first run: a trace.jsonl.gz or a report folder")
+    p.add_argument("b", type=Path, metavar="B", help="the second run")
+    p.add_argument("-o", "--output", type=Path, metavar="DIR", help="also write DIR/diff.html")
+    p.epilog = "exit codes: 0 compared; 2 usage or output folder error; 3 unreadable trace"
+
+
+def diff_command(ns: argparse.Namespace) -> int:
+    from memdoctor.compare import DIFF_FILENAME, diff_runs, load_run, render_diff_html
+    from memdoctor.report.render import atomic_write
+
+    data = diff_runs(load_run(ns.a), load_run(ns.b))
+    print_diff(data)
+    if ns.output is not None:
+        target = Path(ns.output) / DIFF_FILENAME
+        try:
+            Path(ns.output).mkdir(parents=True, exist_ok=True)
+            atomic_write(target, render_diff_html(data))
+        except OSError as exc:
+            raise OutputError(f"{ns.output}: cannot write {DIFF_FILENAME} ({exc.strerror or exc})") from None
+        print_written([target])
+    return exitcodes.OK
+
+
+def print_diff(data: dict[str, Any]) -> None:
+    """The comparison as terminal tables: headline figures, categories, most-changed layers."""
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from memdoctor.compare import format_delta, format_value
+
+    console = Console(highlight=False)
+    console.print(f"A: {escape(data['a']['path'])}\nB: {escape(data['b']['path'])}")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("", "A", "B", "B - A"):
+        table.add_column(col, justify="left" if not col else "right")
+    for row in [*data["rows"], *data["categories"]]:
+        a, b = format_value(row["a"], row["unit"]), format_value(row["b"], row["unit"])
+        table.add_row(escape(row["label"]), a, b, format_delta(row))
+    console.print(table)
+    if data["layers"]:
+        layers = Table(title="layers whose memory changed most", title_justify="left", box=box.SIMPLE_HEAD)
+        longest = max(len(row["name"]) for row in data["layers"])
+        layers.add_column("layer", overflow="fold", min_width=min(longest, 40))
+        for col in ("activations A", "activations B", "parameters A", "parameters B"):
+            layers.add_column(col, justify="right")
+        for row in data["layers"]:
+            vals = (row["activation_a"], row["activation_b"], row["param_a"], row["param_b"])
+            layers.add_row(escape(row["name"]), *("-" if v is None else format_bytes(v) for v in vals))
+        console.print(layers)
+
+
 # ----------------------------------------------------------------------------------------- terminal output
 
 _TOP_LAYERS = 5
@@ -770,4 +863,16 @@ COMMANDS: list[Command] = [
         "report", "re-render report.html and summary.json from a trace file", configure_report, report_command
     ),
     Command("plan", "plan for a memory budget or a GPU from a recorded trace", configure_plan, plan_command),
+    Command(
+        "check",
+        "exit non-zero when a recorded run's peak memory (or step time) exceeds a limit: a CI guard",
+        configure_check,
+        check_command,
+    ),
+    Command(
+        "diff",
+        "compare two recorded runs side by side (terminal, and HTML with -o)",
+        configure_diff,
+        diff_command,
+    ),
 ]

@@ -12,6 +12,7 @@ TRACE_ERROR = 3  # a trace file that cannot be read
 SCRIPT_FAILED = 4  # the script does not compile, raised, called sys.exit(non-zero), crashed or was killed
 NO_STEPS = 5  # the script ended without any optimizer step
 OUT_OF_MEMORY = 6  # the script ran out of memory (the trace keeps what was live)
+LIMIT_EXCEEDED = 7  # memdoctor check: the peak (or step time) is over the given limit
 TIMEOUT = 124  # --timeout expired; the script was stopped
 INTERRUPTED = 130  # Ctrl-C
 
@@ -27,6 +28,7 @@ TABLE: tuple[tuple[int, str], ...] = (
     ),
     (NO_STEPS, "the script ended without any optimizer step"),
     (OUT_OF_MEMORY, "the script ran out of memory"),
+    (LIMIT_EXCEEDED, "memdoctor check: the peak memory or the step time is over the given limit"),
     (TIMEOUT, "--timeout expired"),
     (INTERRUPTED, "interrupted (Ctrl-C)"),
 )

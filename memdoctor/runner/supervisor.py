@@ -8,12 +8,14 @@ final trace atomically, and renders the report and ``summary.json`` from it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ class ProfileRequest:
     time_depth: int | None = None
     detail: str = "auto"
     collect: list[str] | str = "all"  # collector names (memdoctor.capture.collectors), or all / none
+    progress: bool = False  # a "step k/N" bar on the terminal while the child runs
 
 
 @dataclass
@@ -139,11 +142,24 @@ def _run_child(req: ProfileRequest, partial: Path) -> _ChildOutcome:
 
     signal.signal(signal.SIGINT, on_sigint)
     try:
-        outcome.returncode = _wait(proc, req.timeout_s, outcome)
+        with _progress(req, partial):
+            outcome.returncode = _wait(proc, req.timeout_s, outcome)
     finally:
         signal.signal(signal.SIGINT, previous)
     outcome.duration_s = time.monotonic() - start
     return outcome
+
+
+@contextlib.contextmanager
+def _progress(req: ProfileRequest, partial: Path) -> Iterator[None]:
+    """Show "step k/N" while the child runs, following its partial trace (``memdoctor.runner.progress``)."""
+    if not req.progress:
+        yield
+        return
+    from memdoctor.runner.progress import ProgressFollower, TerminalBar
+
+    with TerminalBar(req.warmup, req.steps) as bar, ProgressFollower(partial, bar.update):
+        yield
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout_s: float | None, outcome: _ChildOutcome) -> int:

@@ -1,0 +1,35 @@
+"""Regenerate the README's screenshot from the committed sample report, with headless Chromium.
+
+    python benchmarks/readme_screenshot.py   # writes docs/images/report-bert-8gib-oom.png
+
+Uses the same Chromium driver as the browser test (tests/browser.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from browser import find_chromium, screenshot  # noqa: E402
+
+SAMPLE = ROOT / "sample_reports" / "bert-base-b32-s512-8gib-oom" / "report.html"
+IMAGE = ROOT / "docs" / "images" / "report-bert-8gib-oom.png"
+
+
+def main() -> int:
+    chromium = find_chromium()
+    if chromium is None:
+        print("no chromium binary: install Debian's chromium package", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as work:
+        screenshot(chromium, SAMPLE, IMAGE, Path(work), size="1100,1650")
+    print(f"Wrote {IMAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
