@@ -318,7 +318,7 @@ HEADER = """\
 
 def dump_config(config: PlanConfig) -> str:
     """The YAML text of ``config`` (round-trips through ``parse_config``)."""
-    body = yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    body = yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False, allow_unicode=False)
     return HEADER + body
 
 
@@ -348,4 +348,17 @@ def from_plan(
             predicted_peak_bytes=plan.get("predicted_peak_bytes"),
             predicted_step_time_ratio=None if ratio is None else float(ratio),
         ),
+    )
+
+
+def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None:
+    """The config of ``summary["plan"]``; None when the run has no plan (no budget, no memory figure)."""
+    plan = summary.get("plan")
+    if not plan:
+        return None
+    from memdoctor.plan.model import _batch_size  # the planner's own reading of the measured batch
+
+    path = getattr(trace, "path", None)
+    return from_plan(
+        plan, trace=trace, trace_path=None if path is None else str(path), batch_size=_batch_size(summary)
     )

@@ -281,3 +281,41 @@ def test_plain_loop_snippet_compiles_and_names_what_it_leaves_out() -> None:
     compile(text, "<snippet>", "exec")
     assert "memdoctor.apply(config, model, optimizer)" in text
     assert "GradScaler" in text and "optimizer: 8bit" in text
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_the_report_writes_the_plan_as_memdoctor_yaml(tmp_path: Path) -> None:
+    from memdoctor.report import write_report
+    from memdoctor.trace import load_trace
+
+    trace = load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz")
+    paths = write_report(trace, tmp_path)
+    assert paths["config"] == tmp_path / "memdoctor.yaml"
+    cfg = load_config(paths["config"])
+    model = trace.models[0]
+    check_modules(cfg, model.names, model.cls)  # every chosen module is one the traced model has
+    assert cfg.provenance.model_class == model.cls and cfg.provenance.module_count == len(model.names)
+    assert cfg.provenance.budget_bytes == 8 << 30
+
+
+def test_plan_command_writes_a_config_and_never_overwrites_without_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memdoctor.cli import main
+
+    trace = str(DATA / "gpu-bert-base-b32-s512-8gib-oom.jsonl.gz")
+    out = tmp_path / "plan"
+    assert main(["plan", trace, "-o", str(out)]) == 0
+    cfg = load_config(out / "memdoctor.yaml")
+    assert cfg.checkpoint and cfg.provenance.fits is True
+    assert f"Wrote {out / 'memdoctor.yaml'}" in capsys.readouterr().out
+    (out / "memdoctor.yaml").write_text("mine")
+    assert main(["plan", trace, "-o", str(out)]) == 2
+    assert (out / "memdoctor.yaml").read_text() == "mine"
+    assert "--force" in capsys.readouterr().err
+    assert main(["plan", trace, "-o", str(out), "--force", "--budget", "6GiB"]) == 0
+    assert load_config(out / "memdoctor.yaml").provenance.budget_bytes == 6 << 30
