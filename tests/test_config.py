@@ -300,6 +300,7 @@ def test_the_report_writes_the_plan_as_memdoctor_yaml(tmp_path: Path) -> None:
     check_modules(cfg, model.names, model.cls)  # every chosen module is one the traced model has
     assert cfg.provenance.model_class == model.cls and cfg.provenance.module_count == len(model.names)
     assert cfg.provenance.budget_bytes == 8 << 30
+    assert cfg.provenance.trace == "gpu-bert-base-b8-s128-8gib.jsonl.gz"  # no folders of the user's
 
 
 def test_plan_command_writes_a_config_and_never_overwrites_without_force(
@@ -319,3 +320,20 @@ def test_plan_command_writes_a_config_and_never_overwrites_without_force(
     assert "--force" in capsys.readouterr().err
     assert main(["plan", trace, "-o", str(out), "--force", "--budget", "6GiB"]) == 0
     assert load_config(out / "memdoctor.yaml").provenance.budget_bytes == 6 << 30
+
+
+def test_the_report_shows_the_config_and_says_when_there_is_none(tmp_path: Path) -> None:
+    from memdoctor.report import write_report
+    from memdoctor.trace import load_trace
+
+    html = write_report(load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"), tmp_path)[
+        "report"
+    ].read_text()
+    assert '<h2 id="config">Apply the plan</h2>' in html
+    assert "memdoctor_config: 1" in html and "gradient_accumulation_steps" in html
+    from memdoctor.analysis.config import report_section
+    from memdoctor.report.render import environment
+
+    assert report_section(load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"), {"plan": None}) is None
+    text = environment().get_template("sections/config.html.j2").render(ctx=None)
+    assert "Not measured: no plan to apply" in text
