@@ -519,6 +519,14 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         help="plan for a listed card (rtx2070, t4, a100-80gb, ...; see docs/planner.md)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="also write the plan as DIR/memdoctor.yaml (see docs/config.md)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing DIR/memdoctor.yaml")
     p.epilog = (
         "without --budget or --gpu: the profiled run's budget, else its GPU. "
         "exit codes: 0 planned (also when nothing fits: the output says so); 2 usage error; "
@@ -551,13 +559,39 @@ def plan_command(ns: argparse.Namespace) -> int:
     out = doctor(trace, summary, target)
     if out["plan"] is None:
         raise UsageError(f"{path}: cannot plan: {out['reason']}")
+    written = write_plan_config(ns.output, trace, {**summary, "plan": out["plan"]}, force=ns.force)
     if ns.json:
         cards = card_table(out["workload"], target.margin)
         doc = {"plan": out["plan"], "findings": out["findings"], "ninegrid": out["ninegrid"], "cards": cards}
         print(json.dumps(doc, indent=2, sort_keys=True))
+        if written is not None:
+            _say(f"Wrote {written}")  # stderr: stdout stays one JSON document
         return exitcodes.OK
     print_plan(out, card_table(out["workload"], target.margin))
+    print_written([written])
     return exitcodes.OK
+
+
+def write_plan_config(
+    out_dir: Path | None, trace: Any, summary: dict[str, Any], *, force: bool
+) -> Path | None:
+    """``DIR/memdoctor.yaml`` for ``memdoctor plan -o DIR``: atomic, never over an existing file without
+    --force (the same policy as the report's files)."""
+    if out_dir is None:
+        return None
+    from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
+    from memdoctor.outputs import ensure_writable
+    from memdoctor.report.render import atomic_write
+
+    target = out_dir / CONFIG_FILENAME
+    if target.exists() and not force:
+        raise UsageError(f"{target} exists: give --force to overwrite it, or another -o DIR")
+    config = config_for_summary(trace, summary)
+    if config is None:
+        return None
+    ensure_writable(out_dir)
+    atomic_write(target, dump_config(config))
+    return target
 
 
 def print_plan(out: dict[str, Any], cards: list[dict[str, Any]]) -> None:

@@ -35,3 +35,10 @@ class ScriptError(MemdoctorError):
     """The user's script cannot run at all (it does not compile): found before profiling starts."""
 
     exit_code = 4
+
+
+class ConfigError(MemdoctorError):
+    """A ``memdoctor.yaml`` that cannot be used: not YAML, a YAML tag, an unknown key, a wrong type, a
+    newer version, a module name the model lacks, or a part of the plan that cannot be applied."""
+
+    exit_code = 2

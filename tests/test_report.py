@@ -188,13 +188,18 @@ def test_environment_is_cached_and_autoescapes() -> None:
 def test_write_report_writes_both_files_atomically(tmp_path: Path, bert: Trace) -> None:
     (tmp_path / "report.html").write_text("old")
     paths = write_report(bert, tmp_path)
-    assert paths == {"report": tmp_path / "report.html", "summary": tmp_path / "summary.json"}
+    assert build_summary(bert)["plan"] is not None  # so the plan is written as memdoctor.yaml too
+    assert paths == {
+        "report": tmp_path / "report.html",
+        "summary": tmp_path / "summary.json",
+        "config": tmp_path / "memdoctor.yaml",
+    }
     text = paths["summary"].read_text()
     assert text == summary_json(build_summary(bert))
     assert json.loads(text) == build_summary(bert)
     assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
     assert embedded(paths["report"].read_text()) == json.loads(text)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "summary.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memdoctor.yaml", "report.html", "summary.json"]
 
 
 def test_write_report_to_a_missing_folder_is_an_output_error(tmp_path: Path, bert: Trace) -> None:

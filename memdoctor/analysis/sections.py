@@ -26,7 +26,8 @@ SECTIONS: dict[str, str] = {
     "data": "memdoctor.analysis.data",
     "transfers": "memdoctor.analysis.transfers",
     "precision": "memdoctor.analysis.precision",
-    "plan": "memdoctor.analysis.plan",  # last: it reads the other sections' summary keys
+    "plan": "memdoctor.analysis.plan",  # after the measuring sections: it reads their summary keys
+    "config": "memdoctor.analysis.config",  # the plan as memdoctor.yaml and its exports
 }
 
 

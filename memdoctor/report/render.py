@@ -23,6 +23,7 @@ import memdoctor
 from memdoctor.analysis import nvtx as nvtx_note
 from memdoctor.analysis import sections
 from memdoctor.analysis import summary as an
+from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
 from memdoctor.report import plots
 from memdoctor.trace import CATEGORIES, PHASES, Trace
@@ -87,13 +88,18 @@ def render_report(trace: Trace, summary: dict[str, Any] | None = None) -> str:
 
 
 def write_report(trace: Trace, out_dir: Path) -> dict[str, Path]:
-    """Write ``report.html`` and ``summary.json`` into ``out_dir`` (each atomically); return their paths."""
+    """Write ``report.html``, ``summary.json`` and, when there is a plan, ``memdoctor.yaml`` into ``out_dir``
+    (each atomically); return their paths."""
     out_dir = Path(out_dir)
     summary = an.build_summary(trace)
     html = render_report(trace, summary)
     paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
     atomic_write(paths["summary"], summary_json(summary))
     atomic_write(paths["report"], html)
+    config = config_for_summary(trace, summary)
+    if config is not None:  # the plan as memdoctor.yaml, under the same write and --force policy
+        paths["config"] = out_dir / CONFIG_FILENAME
+        atomic_write(paths["config"], dump_config(config))
     return paths
 
 

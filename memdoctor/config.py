@@ -1,0 +1,365 @@
+"""``memdoctor.yaml``: the plan as a versioned, schema-checked file a person can read and edit.
+
+Why a file of its own: a plan is only useful when it can be applied (``memdoctor.apply``) or exported
+(``memdoctor.config_export``) without re-running the planner, and reviewed in a pull request. The file
+is data only: it is parsed with ``yaml.safe_load`` after a token scan that refuses every YAML tag
+(``!!python/object`` and friends, but also ``!!str``: a config never needs one) and every alias (no
+"billion laughs" expansion), so loading it can never construct an object or run code. Every field is
+checked; the first problem is reported as one line (``ConfigError``, exit code 2 on the command line).
+
+Field by field: ``docs/config.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memdoctor.errors import ConfigError
+
+CONFIG_VERSION = 1
+CONFIG_FILENAME = "memdoctor.yaml"
+MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KiB; refuse anything that could exhaust memory
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("as-is", "8bit", "offload")
+PADDING_POLICIES = ("as-is", "trim")
+ATTENTION = ("eager", "sdpa", "flash_attention_2")
+
+
+@dataclass(frozen=True)
+class GradScalerSettings:
+    """``torch.amp.GradScaler`` settings, used with fp16 only (bf16 and fp32 need no loss scaling)."""
+
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass(frozen=True)
+class DataLoaderSettings:
+    """``torch.utils.data.DataLoader`` arguments; ``None`` keeps the script's own value."""
+
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    persistent_workers: bool | None = None
+    prefetch_factor: int | None = None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where the plan came from, so a stale config (another model, another trace) can be recognised."""
+
+    trace: str | None = None
+    model_class: str | None = None
+    module_count: int | None = None
+    budget_bytes: int | None = None
+    fits: bool | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """One plan. The defaults are the profiled run unchanged (``PlanConfig()`` changes nothing)."""
+
+    checkpoint: tuple[str, ...] = ()
+    precision: str = "fp32"
+    grad_scaler: GradScalerSettings | None = None
+    micro_batch: int | None = None
+    accumulation_steps: int = 1
+    optimizer: str = "as-is"
+    padding: str = "as-is"
+    attention: str | None = None
+    allocator: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
+    data_loader: DataLoaderSettings = field(default_factory=DataLoaderSettings)
+    provenance: Provenance = field(default_factory=Provenance)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The YAML document's content, keys in the documented order."""
+        d = dataclasses.asdict(self)
+        d["checkpoint"] = list(self.checkpoint)
+        return {"memdoctor_config": CONFIG_VERSION, **d}
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike[str]) -> PlanConfig:
+    """Read and validate ``path``; ``ConfigError`` (one line, naming the file) on any problem."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: {size} bytes is too large for a memdoctor config")
+        text = p.read_text(encoding="utf-8")
+    except ConfigError:
+        raise
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file (not UTF-8)") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    return parse_config(text, source=str(p))
+
+
+def parse_config(text: str, source: str = "config") -> PlanConfig:
+    """Validate a config from its text (see the module docstring for what is refused and why)."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: too large for a memdoctor config")
+    doc = _safe_yaml(text, source)
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: a memdoctor config is a mapping (key: value), not {_kind(doc)}")
+    return _from_mapping(doc, source)
+
+
+def _safe_yaml(text: str, source: str) -> Any:
+    try:
+        for token in yaml.scan(text, Loader=yaml.SafeLoader):
+            if isinstance(token, yaml.TagToken):
+                raise ConfigError(f"{source}: line {token.start_mark.line + 1}: YAML tags are not allowed")
+            if isinstance(token, (yaml.AliasToken, yaml.AnchorToken)):
+                raise ConfigError(
+                    f"{source}: line {token.start_mark.line + 1}: YAML anchors and aliases are not allowed"
+                )
+        return yaml.safe_load(text)
+    except ConfigError:
+        raise
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{source}: {where}not valid YAML: {problem}") from None
+    except (RecursionError, ValueError, OverflowError, MemoryError) as exc:
+        # PyYAML's resolver can raise ValueError/OverflowError on odd scalars; deep nesting recursion
+        raise ConfigError(f"{source}: not valid YAML: {type(exc).__name__}") from None
+
+
+_TOP = (
+    "memdoctor_config",
+    "checkpoint",
+    "precision",
+    "grad_scaler",
+    "micro_batch",
+    "accumulation_steps",
+    "optimizer",
+    "padding",
+    "attention",
+    "allocator",
+    "data_loader",
+    "provenance",
+)
+
+
+def _from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
+    _known_keys(doc, _TOP, src)
+    if "memdoctor_config" not in doc:
+        raise ConfigError(f"{src}: not a memdoctor config: the key memdoctor_config (the version) is missing")
+    version = _int(doc["memdoctor_config"], "memdoctor_config", src, minimum=1)
+    if version > CONFIG_VERSION:
+        raise ConfigError(
+            f"{src}: config version {version} is newer than this memdoctor reads ({CONFIG_VERSION}); "
+            "upgrade memdoctor"
+        )
+    checkpoint = doc.get("checkpoint") or []
+    if not isinstance(checkpoint, list) or not all(isinstance(n, str) for n in checkpoint):
+        raise ConfigError(f"{src}: checkpoint must be a list of module names (strings)")
+    if len(set(checkpoint)) != len(checkpoint):
+        raise ConfigError(f"{src}: checkpoint names a module twice")
+    precision = _choice(doc.get("precision", "fp32"), "precision", PRECISIONS, src)
+    scaler = _scaler(doc.get("grad_scaler"), src)
+    if scaler is not None and precision != "fp16":
+        raise ConfigError(f"{src}: grad_scaler is for precision fp16 only (precision is {precision})")
+    if precision == "fp16" and scaler is None:
+        scaler = GradScalerSettings()
+    micro = doc.get("micro_batch")
+    return PlanConfig(
+        checkpoint=tuple(checkpoint),
+        precision=precision,
+        grad_scaler=scaler,
+        micro_batch=None if micro is None else _int(micro, "micro_batch", src, minimum=1),
+        accumulation_steps=_int(doc.get("accumulation_steps", 1), "accumulation_steps", src, minimum=1),
+        optimizer=_choice(doc.get("optimizer", "as-is"), "optimizer", OPTIMIZERS, src),
+        padding=_choice(doc.get("padding", "as-is"), "padding", PADDING_POLICIES, src),
+        attention=_opt_choice(doc.get("attention"), "attention", ATTENTION, src),
+        allocator=_opt_str(doc.get("allocator"), "allocator", src),
+        data_loader=_data_loader(doc.get("data_loader"), src),
+        provenance=_provenance(doc.get("provenance"), src),
+    )
+
+
+def _scaler(value: Any, src: str) -> GradScalerSettings | None:
+    if value is None:
+        return None
+    m = _mapping(value, "grad_scaler", ("init_scale", "growth_interval"), src)
+    scale = m.get("init_scale", 65536.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ConfigError(f"{src}: grad_scaler.init_scale must be a positive number")
+    interval = _int(m.get("growth_interval", 2000), "grad_scaler.growth_interval", src, minimum=1)
+    return GradScalerSettings(float(scale), interval)
+
+
+def _data_loader(value: Any, src: str) -> DataLoaderSettings:
+    if value is None:
+        return DataLoaderSettings()
+    names = tuple(f.name for f in dataclasses.fields(DataLoaderSettings))
+    m = _mapping(value, "data_loader", names, src)
+    out: dict[str, Any] = {}
+    for key in ("num_workers", "prefetch_factor"):
+        if m.get(key) is not None:
+            out[key] = _int(m[key], f"data_loader.{key}", src, minimum=0 if key == "num_workers" else 1)
+    for key in ("pin_memory", "persistent_workers"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], bool):
+                raise ConfigError(f"{src}: data_loader.{key} must be true or false")
+            out[key] = m[key]
+    return DataLoaderSettings(**out)
+
+
+def _provenance(value: Any, src: str) -> Provenance:
+    if value is None:
+        return Provenance()
+    names = tuple(f.name for f in dataclasses.fields(Provenance))
+    m = _mapping(value, "provenance", names, src)
+    fits = m.get("fits")
+    if fits is not None and not isinstance(fits, bool):
+        raise ConfigError(f"{src}: provenance.fits must be true or false")
+    ratio = m.get("predicted_step_time_ratio")
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
+        raise ConfigError(f"{src}: provenance.predicted_step_time_ratio must be a number")
+    ints = {
+        k: None if m.get(k) is None else _int(m[k], f"provenance.{k}", src, minimum=0)
+        for k in ("module_count", "budget_bytes", "predicted_peak_bytes")
+    }
+    return Provenance(
+        trace=_opt_str(m.get("trace"), "provenance.trace", src),
+        model_class=_opt_str(m.get("model_class"), "provenance.model_class", src),
+        fits=fits,
+        predicted_step_time_ratio=None if ratio is None else float(ratio),
+        **ints,
+    )
+
+
+def _known_keys(m: dict[Any, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in m:
+        if not isinstance(key, str) or key not in allowed:
+            raise ConfigError(f"{where}: unknown key {str(key)[:80]!r} (known: {', '.join(allowed)})")
+
+
+def _mapping(value: Any, name: str, allowed: tuple[str, ...], src: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{src}: {name} must be a mapping, not {_kind(value)}")
+    _known_keys(value, allowed, f"{src}: {name}")
+    return value
+
+
+def _int(value: Any, name: str, src: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value > 2**62:
+        raise ConfigError(f"{src}: {name} must be a whole number >= {minimum}, not {_short(value)}")
+    return value
+
+
+def _choice(value: Any, name: str, allowed: tuple[str, ...], src: str) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{src}: {name} must be one of {', '.join(allowed)}, not {_short(value)}")
+    return value
+
+
+def _opt_choice(value: Any, name: str, allowed: tuple[str, ...], src: str) -> str | None:
+    return None if value is None else _choice(value, name, allowed, src)
+
+
+def _opt_str(value: Any, name: str, src: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{src}: {name} must be a string, not {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", type(None): "empty"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+
+def check_modules(config: PlanConfig, names: list[str] | set[str], model_class: str | None = None) -> None:
+    """``ConfigError`` when the config names a module the model lacks (a stale config, another model)."""
+    known = set(names)
+    missing = [n for n in config.checkpoint if n not in known]
+    if missing:
+        other = config.provenance.model_class
+        hint = f" (the config was made for {other})" if other and model_class and other != model_class else ""
+        shown = ", ".join(repr(n) for n in missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise ConfigError(f"config names modules this model lacks: {shown}{hint}")
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+
+HEADER = """\
+# memdoctor.yaml: the plan memdoctor made for this training run (field by field: docs/config.md).
+# Apply it in code with memdoctor.apply(memdoctor.load_config("memdoctor.yaml"), model, optimizer),
+# or export it: memdoctor.config_export (HF TrainingArguments, Lightning Trainer, accelerate).
+# Every number here is a prediction from the profiled run, not a measurement.
+"""
+
+
+def dump_config(config: PlanConfig) -> str:
+    """The YAML text of ``config`` (round-trips through ``parse_config``)."""
+    body = yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False, allow_unicode=False)
+    return HEADER + body
+
+
+def from_plan(
+    plan: dict[str, Any], *, trace: Any = None, trace_path: str | None = None, batch_size: int | None = None
+) -> PlanConfig:
+    """The config for ``summary["plan"]`` (the planner's chosen, else closest, config)."""
+    cfg = plan.get("config") or {}
+    accumulation = int(cfg.get("accumulation_steps") or 1)
+    precision = str(cfg.get("precision") or "fp32")
+    model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
+    micro = batch_size // accumulation if batch_size and batch_size % accumulation == 0 else None
+    ratio = plan.get("predicted_step_time_ratio")
+    return PlanConfig(
+        checkpoint=tuple(cfg.get("checkpoint") or ()),
+        precision=precision,
+        grad_scaler=GradScalerSettings() if precision == "fp16" else None,
+        micro_batch=micro,
+        accumulation_steps=accumulation,
+        optimizer=str(cfg.get("optimizer") or "as-is"),
+        provenance=Provenance(
+            trace=trace_path,
+            model_class=model.cls if model is not None else None,
+            module_count=len(model.names) if model is not None else None,
+            budget_bytes=plan.get("budget_bytes"),
+            fits=plan.get("fits"),
+            predicted_peak_bytes=plan.get("predicted_peak_bytes"),
+            predicted_step_time_ratio=None if ratio is None else float(ratio),
+        ),
+    )
+
+
+def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None:
+    """The config of ``summary["plan"]``; None when the run has no plan (no budget, no memory figure)."""
+    plan = summary.get("plan")
+    if not plan:
+        return None
+    from memdoctor.plan.model import _batch_size  # the planner's own reading of the measured batch
+
+    path = getattr(trace, "path", None)  # its file name only: a config must not carry the user's folders
+    path = None if path is None else Path(path).name
+    return from_plan(
+        plan, trace=trace, trace_path=None if path is None else str(path), batch_size=_batch_size(summary)
+    )

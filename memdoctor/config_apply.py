@@ -1,0 +1,212 @@
+"""``memdoctor.apply(config, model, optimizer=None, loader=None)``: the plan, applied in code.
+
+For people who write their own loop::
+
+    cfg = memdoctor.load_config("memdoctor-report/memdoctor.yaml")
+    applied = memdoctor.apply(cfg, model, optimizer, loader)
+    for batch in loader:
+        for micro, weight in applied.micro_batches(batch):   # accumulation (one pair when k = 1)
+            with applied.autocast():                          # bf16/fp16 autocast (no-op for fp32)
+                loss = model(**micro).loss * weight           # weight = this micro-batch's share
+            applied.backward(loss)                            # through the GradScaler for fp16
+        applied.step()                                        # optimizer step (+ scaler update), zero_grad
+    applied.remove()                                          # the model is as it was
+
+What is applied: activation checkpointing of exactly the chosen modules (their ``forward`` wrapped with
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, reversible with ``remove()``), autocast in
+the chosen dtype with a ``torch.amp.GradScaler`` for fp16, and accumulation through ``micro_batches``.
+What it cannot apply faithfully (an optimizer swap or offload, padding trimming, an attention
+implementation, data-loader settings on a loader that already exists, an allocator setting after CUDA
+started) raises ``ConfigError`` naming the part: a plan part is never silently dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from memdoctor.config import PlanConfig, check_modules
+from memdoctor.errors import ConfigError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Applied:
+    """The applied plan: autocast, micro-batches, backward/step helpers, and ``remove()``."""
+
+    def __init__(self, config: PlanConfig, model: torch.nn.Module, optimizer: Any, loader: Any) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.loader = loader
+        self.device_type = _device_type(model)
+        self.scaler: torch.amp.GradScaler | None = None
+        if config.precision == "fp16" and config.grad_scaler is not None:
+            self.scaler = torch.amp.GradScaler(
+                self.device_type,
+                init_scale=config.grad_scaler.init_scale,
+                growth_interval=config.grad_scaler.growth_interval,
+            )
+        self._restore: list[tuple[torch.nn.Module, Any]] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        """``model, optimizer, loader = memdoctor.apply(...)`` (the same objects, changed in place)."""
+        return iter((self.model, self.optimizer, self.loader))
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast in the plan's dtype around forward + loss; a no-op context for fp32."""
+        dtype = _DTYPES.get(self.config.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def micro_batches(self, batch: Any) -> Iterator[tuple[Any, float]]:
+        """Split ``batch`` along dim 0 into ``accumulation_steps`` parts; yield ``(part, weight)``.
+
+        ``weight`` is the part's share of the batch (size / batch size): multiplying a mean-reduced loss
+        by it makes the summed gradients equal the full batch's, also when the split is uneven.
+        """
+        yield from split_batch(batch, self.config.accumulation_steps)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled by the GradScaler under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> None:
+        """One optimizer step over the accumulated gradients (unscaled first under fp16), then zero_grad."""
+        if self.optimizer is None:
+            raise ConfigError("memdoctor.apply was given no optimizer: call your optimizer's step yourself")
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def remove(self) -> None:
+        """Undo the checkpointing wrappers: the model's modules are as they were."""
+        while self._restore:
+            module, previous = self._restore.pop()
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+
+    def _checkpoint(self, module: torch.nn.Module) -> None:
+        previous = module.__dict__.get("forward")
+        original = module.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
+                return original(*args, **kwargs)
+            return torch_checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+        self._restore.append((module, previous))
+
+
+def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loader: Any = None) -> Applied:
+    """Apply ``config`` to ``model`` (see the module docstring); ``ConfigError`` names what cannot apply."""
+    check_modules(config, [name for name, _ in model.named_modules()], type(model).__name__)
+    refused = not_applicable(config, loader)
+    if refused:
+        raise ConfigError("memdoctor.apply cannot apply: " + "; ".join(refused))
+    _allocator(config)
+    applied = Applied(config, model, optimizer, loader)
+    for name in config.checkpoint:
+        applied._checkpoint(model.get_submodule(name))
+    return applied
+
+
+def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:
+    """The plan's parts ``apply`` would refuse, one sentence each naming the part and the way out."""
+    out = []
+    if config.optimizer == "8bit":
+        out.append("optimizer: 8bit (build bitsandbytes.optim.AdamW8bit yourself with the same settings)")
+    elif config.optimizer == "offload":
+        out.append("optimizer: offload (use DeepSpeed ZeRO-Offload through accelerate; see docs/config.md)")
+    if config.padding != "as-is":
+        out.append(f"padding: {config.padding} (trim padding in your collate function; see docs/config.md)")
+    if config.attention is not None:
+        out.append(
+            f"attention: {config.attention} "
+            f"(pass attn_implementation={config.attention!r} to from_pretrained)"
+        )
+    dl = config.data_loader
+    if loader is not None and any(v is not None for v in vars(dl).values()):
+        out.append("data_loader: a DataLoader cannot be changed once built (build it with these settings)")
+    return out
+
+
+def _allocator(config: PlanConfig) -> None:
+    """PYTORCH_CUDA_ALLOC_CONF is read when CUDA starts: set it before, refuse after (unless equal)."""
+    if config.allocator is None or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == config.allocator:
+        return
+    if torch.cuda.is_initialized():
+        raise ConfigError(
+            "memdoctor.apply cannot apply: allocator: CUDA has already started; set "
+            f"PYTORCH_CUDA_ALLOC_CONF={config.allocator} in the environment before running the script"
+        )
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = config.allocator
+
+
+def split_batch(batch: Any, parts: int) -> Iterator[tuple[Any, float]]:
+    """``(part, weight)`` for ``parts`` slices of ``batch`` along dim 0 (tensors, mappings, sequences).
+
+    A batch whose tensors disagree on dim 0, or that holds no tensor, cannot be split faithfully:
+    ``ConfigError``. Non-tensor leaves (strings, numbers) are passed to every part unchanged.
+    """
+    if parts <= 1:
+        yield batch, 1.0
+        return
+    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise ConfigError(
+            "accumulation_steps: cannot split this batch: "
+            + ("it holds no tensor" if not sizes else f"its tensors differ in dim 0 ({sorted(sizes)})")
+        )
+    total = sizes.pop()
+    if total < parts:
+        raise ConfigError(
+            f"accumulation_steps: a batch of {total} cannot be split into {parts} micro-batches"
+        )
+    bounds = [i * total // parts for i in range(parts + 1)]
+    for lo, hi in itertools.pairwise(bounds):
+        yield _slice(batch, lo, hi), (hi - lo) / total
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _slice(batch: Any, lo: int, hi: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[lo:hi] if batch.dim() > 0 else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _slice(v, lo, hi) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_slice(v, lo, hi) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice(v, lo, hi) for v in batch)
+    return batch
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
