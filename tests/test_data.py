@@ -17,7 +17,7 @@ import torch
 import torch.utils.data.dataloader as dl
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tracebuilder import TraceBuilder, completed_trace, tiny_mlp
+from tracebuilder import TraceBuilder, completed_trace, tiny_mlp, trace_from_records
 
 from memdoctor.analysis import build_summary
 from memdoctor.analysis import data as an
@@ -27,7 +27,7 @@ from memdoctor.capture.session import ProfileSession
 from memdoctor.cli import main
 from memdoctor.device import FakeDevice
 from memdoctor.report import render_report
-from memdoctor.trace import Trace, TraceWriter, load_trace, make_header
+from memdoctor.trace import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 ORIGINAL_NEXT = dl._BaseDataLoaderIter.__dict__["__next__"]
@@ -187,14 +187,7 @@ def facts(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write(tmp_path: Path, records: list[dict[str, Any]]) -> Trace:
-    path = tmp_path / "trace.jsonl.gz"
-    writer = TraceWriter(path)
-    writer.write({**make_header(), **TraceBuilder(kind="cpu").header})
-    for rec in records:
-        writer.write(rec)
-    writer.write({"type": "end", "status": "completed", "message": "", "exit_code": 0})
-    writer.close()
-    return load_trace(path)
+    return trace_from_records(tmp_path / "trace.jsonl.gz", records)
 
 
 LENGTHS = [3, 5, 8, 2, 6, 7, 4, 8, 1, 5, 3, 6]

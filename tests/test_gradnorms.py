@@ -12,14 +12,14 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from torch import nn
-from tracebuilder import TraceBuilder, bert_like, completed_trace
+from tracebuilder import TraceBuilder, bert_like, completed_trace, trace_from_records
 
 from memdoctor.analysis import summary as an
 from memdoctor.capture import gradnorms
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
 from memdoctor.report import render
-from memdoctor.trace import StepRecord, Trace, TraceWriter, load_trace, make_header
+from memdoctor.trace import StepRecord, Trace
 
 BLOCKS = 6
 
@@ -94,14 +94,7 @@ def index_of(model: nn.Module, name: str) -> int:
 
 
 def write(tmp_path: Path, records: list[dict[str, Any]]) -> Trace:
-    path = tmp_path / "trace.jsonl.gz"
-    writer = TraceWriter(path)
-    writer.write({**make_header(), **TraceBuilder(kind="cpu").header})
-    for rec in records:
-        writer.write(rec)
-    writer.write({"type": "end", "status": "completed", "message": "", "exit_code": 0})
-    writer.close()
-    return load_trace(path)
+    return trace_from_records(tmp_path / "trace.jsonl.gz", records)
 
 
 def scale_grads(module_name: str, factor: float, at_step: int | None = None) -> Plant:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from tracebuilder import TraceBuilder, tiny_mlp
+from tracebuilder import TraceBuilder, tiny_mlp, trace_from_records
 
 from memdoctor.analysis import precision as pr
 from memdoctor.analysis import summary as an
@@ -21,7 +21,7 @@ from memdoctor.capture import histograms as hist
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
 from memdoctor.report import render
-from memdoctor.trace import Trace, TraceWriter, load_trace, make_header
+from memdoctor.trace import Trace, load_trace
 
 DATA = Path(__file__).parent / "data"
 
@@ -119,16 +119,10 @@ def final_steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def write(tmp_path: Path, records: list[dict[str, Any]], **device: Any) -> Trace:
-    path = tmp_path / "trace.jsonl.gz"
-    writer = TraceWriter(path)
-    header = TraceBuilder(kind="cpu").header
-    header["device"] = {**header["device"], **device}
-    writer.write({**make_header(), **header, "collectors": ["histograms"]})
-    for rec in records:
-        writer.write(rec)
-    writer.write({"type": "end", "status": "completed", "message": "", "exit_code": 0})
-    writer.close()
-    return load_trace(path)
+    cpu = TraceBuilder(kind="cpu").header["device"]
+    return trace_from_records(
+        tmp_path / "trace.jsonl.gz", records, device={**cpu, **device}, collectors=["histograms"]
+    )
 
 
 def index_of(model: nn.Module, name: str) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memdoctor.trace import ModelInfo, StepRecord, Trace, load_trace, make_header, save_trace
+from memdoctor.trace import ModelInfo, StepRecord, Trace, TraceWriter, load_trace, make_header, save_trace
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 Module = tuple[str, str, int, int]  # name, class name, own param bytes, own activation bytes
@@ -448,3 +448,15 @@ def oom_trace(layers: int = 12) -> Trace:
         module_name=last,
     )
     return b.end("oom", "CUDA out of memory during step 0", exit_code=1, memdoctor_exit_code=1).build()
+
+
+def trace_from_records(path: Path, records: list[dict[str, Any]], **header: Any) -> Trace:
+    """A trace file of records a ``ProfileSession`` sent to its sink (a CPU header first, ``header``
+    keys added to it, an ``end`` record last), loaded back as any reader would."""
+    writer = TraceWriter(path)
+    writer.write({**make_header(), **TraceBuilder(kind="cpu").header, **header})
+    for rec in records:
+        writer.write(rec)
+    writer.write({"type": "end", "status": "completed", "message": "", "exit_code": 0})
+    writer.close()
+    return load_trace(path)
