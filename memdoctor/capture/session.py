@@ -215,15 +215,14 @@ class ProfileSession:
             self._param_handles = []
         if on and not self._module_handles:
             mod = torch.nn.modules.module
-            try:
-                # always_call: the post hook also runs when the forward raises, so the module stack
-                # unwinds with the exception (a script that catches it, or non-reentrant activation
-                # checkpointing, which stops its recomputation by raising, would otherwise leave
-                # frames behind and every later forward would look nested).
-                post = mod.register_module_forward_hook(self._fwd_post, always_call=True)
-            except TypeError:  # torch < 2.0
-                post = mod.register_module_forward_hook(self._fwd_post)
-            self._module_handles = [mod.register_module_forward_pre_hook(self._fwd_pre), post]
+            # always_call (torch >= 2.0): the post hook also runs when the forward raises, so the
+            # module stack unwinds with the exception (a script that catches it, or non-reentrant
+            # activation checkpointing, which stops its recomputation by raising, would otherwise
+            # leave frames behind and every later forward would look nested).
+            self._module_handles = [
+                mod.register_module_forward_pre_hook(self._fwd_pre),
+                mod.register_module_forward_hook(self._fwd_post, always_call=True),
+            ]
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._saved_ctx.__enter__()
         elif not on and self._module_handles:
@@ -350,8 +349,6 @@ class ProfileSession:
         # Hot path: runs for every module call. Deep (untimed) modules only keep the stack for the
         # saved-tensor attribution.
         stack = self._stack
-        if stack and stack[0].recompute and not _in_backward():
-            stack.clear()  # frames of a checkpoint recomputation that stopped early (see below)
         depth = len(stack)
         if depth == 0:
             if not torch.is_grad_enabled():
@@ -359,9 +356,8 @@ class ProfileSession:
                 return
             if _in_backward():
                 # Activation checkpointing recomputing a forward inside backward: not a new
-                # micro-batch, and its time is the backward's. Non-reentrant checkpointing stops the
-                # recomputation early, so these frames' post hooks may never run: they are dropped
-                # at the next call outside backward.
+                # micro-batch, and its time is the backward's. (Non-reentrant checkpointing stops the
+                # recomputation early by raising; the always_call post hook unwinds these frames.)
                 stack.append(_Frame(id(module), -1, 0, _NO_PTRS, active=False, recompute=True))
                 if self._mod_collectors:  # collectors see recomputations (NVTX, FLOPs do)
                     self._collect_fwd_pre(module, depth, False)
@@ -553,8 +549,6 @@ class ProfileSession:
         if self._pending:
             self._emit_ready(wait=False)
         self._fault_at = None
-        if self._stack and self._stack[0].recompute:
-            self._stack.clear()
         if id(opt) not in self._known_opts:
             self._discover(opt)
         self._note_optimizer(id(opt))
