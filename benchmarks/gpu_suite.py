@@ -119,32 +119,6 @@ def overhead(out: Path, name: str, args: list[str], steps: int, md_args: list[st
     return res
 
 
-class _Results(dict):
-    """The results, rewritten to disk after every run so that a suite cut short keeps what it measured."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(accuracy=_Saved(self), traces=_Saved(self), overhead=_Saved(self))
-        self.path = path
-
-    def save(self) -> None:
-        self.path.write_text(json.dumps(self, indent=1, sort_keys=True))
-
-
-class _Saved(list):
-    def __init__(self, owner: _Results) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def append(self, item: dict) -> None:
-        super().append(item)
-        self.owner.save()
-
-    def __iadd__(self, items: list[dict]) -> _Saved:  # type: ignore[override]
-        for item in items:
-            self.append(item)
-        return self
-
-
 def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -170,15 +144,26 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     only = set(args.only.split(","))
-    results: dict[str, list[dict]] = _Results(args.out / "results.json")
+    results: dict[str, list[dict]] = {"accuracy": [], "traces": [], "overhead": []}
+
+    def save() -> None:
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+
+    def add(section: str, *items: dict) -> None:
+        """Record runs and rewrite the results, so that a suite cut short keeps what it measured."""
+        results[section].extend(items)
+        save()
+
     if "accuracy" in only:
-        results["accuracy"] += [
+        add(
+            "accuracy",
             profile(args.out, "bert-b32-s512-fp32-sdpa", BERT, ["--steps", "20"]),
             profile(args.out, "bert-b32-s512-fp32-eager", BERT, ["--steps", "20", "--attn", "eager"]),
             profile(args.out, "gpt2-small-trainer-b8-s512", GPT2, ["--steps", "20"]),
-        ]
+        )
     if "traces" in only:
-        results["traces"] += [
+        add(
+            "traces",
             profile(
                 args.out,
                 "bert-b32-s512-8gib-oom",
@@ -193,28 +178,30 @@ def main() -> None:
                 ["--steps", "20", "--batch-size", "8", "--seq-len", "128"],
                 ["--budget", "8GiB"],
             ),
-        ]
+        )
+    launch = ["--batch-size", "8", "--seq-len", "128", "--bf16"]
     if "overhead" in only:
-        launch = ["--batch-size", "8", "--seq-len", "128", "--bf16"]
         for collect in args.collect.split("+"):
             md = ["--collect", collect]
             for r in range(args.repeat):
                 tag = f"{collect.replace(',', '-')}-r{r}"
-                results["overhead"] += [
+                add(
+                    "overhead",
                     overhead(args.out, f"overhead-bert-b32-s512-fp32-{tag}", [], 8, md),
                     overhead(args.out, f"overhead-bert-b8-s128-bf16-{tag}", launch, 20, md),
-                ]
+                )
     if "depth1" in only:
-        results["overhead"].append(
+        add(
+            "overhead",
             overhead(
                 args.out,
                 "overhead-bert-b8-s128-bf16-depth1",
-                ["--batch-size", "8", "--seq-len", "128", "--bf16"],
+                launch,
                 20,
                 ["--collect", "none", "--time-depth", "1"],
-            )
+            ),
         )
-    (args.out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    save()
     print(json.dumps(results, indent=1, sort_keys=True))
 
 
