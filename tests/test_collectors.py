@@ -177,3 +177,12 @@ def test_missing_collector_modules_are_noted() -> None:
     names = {c.name for c in made}
     for n in REGISTRY:
         assert n in names or any(note.startswith(f"{n}:") for note in notes)
+
+
+def test_collector_note_finds_the_reason_by_name() -> None:
+    from memdoctor.analysis.sections import collector_note
+
+    notes = ["GPU kernel times: no CUDA device", "transfers: no CUDA device: no copies", "nvtx: missing"]
+    assert collector_note(notes, "transfers") == "no CUDA device: no copies"
+    assert collector_note(notes, "nvtx") == "missing"
+    assert collector_note(notes, "flops") is None and collector_note(None, "flops") is None

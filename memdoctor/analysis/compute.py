@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from memdoctor.analysis import sections
 from memdoctor.trace import ModelInfo, StepRecord, Trace
 
 NAME = "flops"
@@ -60,9 +61,9 @@ def flop_step(trace: Trace) -> StepRecord | None:
 
 def not_measured_reason(trace: Trace) -> str:
     """Why a trace has no FLOP count, in one sentence for the report."""
-    for note in trace.header.get("not_measured") or []:
-        if str(note).startswith(f"{NAME}:"):
-            return str(note).partition(":")[2].strip()
+    note = sections.collector_note(trace.header.get("not_measured"), NAME)
+    if note is not None:
+        return note
     for event in trace.events:
         if event.get("kind") == "collector_failed" and f"the {NAME} collector" in str(event.get("message")):
             return str(event.get("message"))

@@ -14,6 +14,7 @@ The analysis stays pure (no torch); plots are drawn by the module's ``report_sec
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +30,18 @@ SECTIONS: dict[str, str] = {
     "plan": "memdoctor.analysis.plan",  # after the measuring sections: it reads their summary keys
     "config": "memdoctor.analysis.config",  # the plan as memdoctor.yaml and its exports
 }
+
+
+def collector_note(notes: Iterable[Any] | None, name: str) -> str | None:
+    """Why collector ``name`` measured nothing: the reason of the first ``"NAME: reason"`` entry of a
+    trace's ``not_measured`` notes (``memdoctor.capture.collectors.make_collectors`` writes them), or
+    None. Also the ``collector_note`` filter of the report's templates."""
+    prefix = f"{name}:"
+    for note in notes or ():
+        text = str(note)
+        if text.startswith(prefix):
+            return text[len(prefix) :].strip()
+    return None
 
 
 def _modules() -> list[tuple[str, ModuleType]]:

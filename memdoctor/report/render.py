@@ -50,7 +50,9 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(bytes=format_bytes, pct=format_pct, ms=format_ms)
+    env.filters.update(
+        bytes=format_bytes, pct=format_pct, ms=format_ms, collector_note=sections.collector_note
+    )
     return env
 
 
