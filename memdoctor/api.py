@@ -18,6 +18,7 @@ training carries on unprofiled). An exception raised in the block is recorded an
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -168,8 +169,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         self._partial.unlink(missing_ok=True)
         paths = write_report(trace, self.out_dir)
         self.report_path, self.summary_path = paths.get("report"), paths.get("summary")
-        import json
-
         self.summary = json.loads(self.summary_path.read_text()) if self.summary_path else None
 
 
