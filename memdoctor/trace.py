@@ -114,6 +114,8 @@ class StepRecord:
     timeline_stride: int = 1
     detail: str = "full"  # "full": the per-module ledger; "timing": step time and allocator peak only
     grad_norm: dict[str, Any] | None = None  # {global, nonfinite_modules, first_nonfinite}, when measured
+    # {scale, skipped} when a torch.amp.GradScaler stepped in this step (memdoctor.capture.gradscaler)
+    grad_scaler: dict[str, Any] | None = None
     # What each collector measured in this step (memdoctor.capture.collectors): name -> its data.
     collectors: dict[str, Any] = field(default_factory=dict)
 
@@ -122,6 +124,7 @@ class StepRecord:
             "type": "step",
             "detail": self.detail,
             **({"grad_norm": self.grad_norm} if self.grad_norm is not None else {}),
+            **({"grad_scaler": self.grad_scaler} if self.grad_scaler is not None else {}),
             **({"collectors": self.collectors} if self.collectors else {}),
             "step": self.step,
             "warmup": self.warmup,
@@ -159,8 +162,19 @@ class StepRecord:
             timeline_stride=_int(rec, "timeline_stride", 1),
             detail="timing" if rec.get("detail") == "timing" else "full",
             grad_norm=rec["grad_norm"] if isinstance(rec.get("grad_norm"), dict) else None,
+            grad_scaler=_grad_scaler(rec.get("grad_scaler")),
             collectors=_dict(rec, "collectors", {}),
         )
+
+
+def _grad_scaler(value: Any) -> dict[str, Any] | None:
+    """``{scale: positive finite number or None, skipped: bool}``, or None (absent or malformed)."""
+    if not isinstance(value, dict):
+        return None
+    scale = value.get("scale")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < float("inf")):
+        scale = None
+    return {"scale": None if scale is None else float(scale), "skipped": value.get("skipped") is True}
 
 
 @dataclass

@@ -84,6 +84,7 @@ _PATCHABLE = (
     ("torch", "Tensor"),
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
     ("torch.utils.data.dataloader", "DataLoader"),
+    ("torch.amp.grad_scaler", "GradScaler"),
 )
 
 

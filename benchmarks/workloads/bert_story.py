@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps to run")
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--bf16", action="store_true", help="run forward and loss under torch.autocast(bfloat16)")
+    p.add_argument("--fp16", action="store_true", help="torch.autocast(float16) with a torch.amp.GradScaler")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: a CPU smoke run")
     p.add_argument("--attn", choices=["eager", "sdpa"], default="sdpa", help="attn_implementation")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
     args = p.parse_args(argv)
+    if args.bf16 and args.fp16:
+        p.error("--bf16 and --fp16 exclude each other")
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 32
     if args.seq_len is None:
@@ -131,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         pin_memory=device.type == "cuda",
         generator=torch.Generator().manual_seed(args.seed),
     )
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)
 
     timer = StepTimer(args.timing_file, device)
     step, loss = 0, None
@@ -141,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
                 batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
                 with autocast:
                     loss = model(**batch).loss
-                loss.backward()
-                optimizer.step()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)  # skips the step when the scaled gradients overflowed
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 timer.step_end(step)

@@ -60,6 +60,9 @@ class Entry:
     # A module whose output is a submodule's output (a Sequential, a block returning its last
     # layer's tensor) has identical figures: findings name the innermost one and skip this.
     same_as: str | None = None
+    # Divided back by the GradScaler's recorded loss scale (every gradient under a scaler is scaled,
+    # whatever its dtype), so that it reads as an unscaled gradient.
+    unscaled: bool = False
 
     def signature(self) -> tuple[Any, ...]:
         return (self.sampled, self.abs_max, self.zero, self.overflow, tuple(sorted(self.counts.items())))
@@ -89,8 +92,10 @@ class Entry:
 
     @property
     def scaled(self) -> bool:
-        """An fp16 gradient: under a GradScaler it is already multiplied by the loss scale."""
-        return self.direction == "backward" and self.dtype == "float16"
+        """A gradient still multiplied by a loss scale: an fp16 gradient, when the trace did not record
+        the GradScaler's scale (then an fp32 gradient under a scaler is read as unscaled: a limit of
+        traces from before memdoctor 0.x recorded ``grad_scaler``)."""
+        return self.direction == "backward" and self.dtype == "float16" and not self.unscaled
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -101,12 +106,13 @@ def entries(trace: Trace) -> list[Entry]:
     out: dict[tuple[int, int, str], Entry] = {}
     sizes = {m.index: len(m.names) for m in trace.models}
     for step in measured_steps(trace):
+        shift = _scale_log2(step)
         for key, model in step.collectors[NAME]["models"].items():
             m = int(key)
             for direction in DIRECTIONS:
                 cols = model.get(direction)
                 if isinstance(cols, dict) and _valid(cols, sizes.get(m, 0)):
-                    _add_step(trace, out, m, direction, cols)
+                    _add_step(trace, out, m, direction, cols, shift if direction == "backward" else None)
     order = {d: k for k, d in enumerate(DIRECTIONS)}
     found = sorted(out.values(), key=lambda e: (e.model, e.module, order[e.direction]))
     _mark_repeats(trace, found)
@@ -133,8 +139,20 @@ def _inside(parents: list[int], module: int, ancestor: int) -> bool:
 
 
 def measured_steps(trace: Trace) -> list[Any]:
-    """Complete steps that carry histograms (warm-up steps too: an overflow there is as real)."""
-    return [s for s in trace.steps if s.complete and _has_data(s.collectors.get(NAME))]
+    """Complete steps that carry histograms (warm-up steps too: an overflow there is as real), except
+    those a GradScaler skipped (its scale was too high then: the gradients overflowed by design)."""
+    return [
+        s
+        for s in trace.steps
+        if s.complete and _has_data(s.collectors.get(NAME)) and not an.scaler_skipped(s)
+    ]
+
+
+def _scale_log2(step: Any) -> int | None:
+    """log2 of the loss scale a GradScaler multiplied this step's gradients by (a power of two: its
+    default init_scale 2**16, growth 2 and backoff 0.5), or None when none was recorded."""
+    scale = (step.grad_scaler or {}).get("scale")
+    return round(math.log2(scale)) if scale else None
 
 
 def _has_data(data: Any) -> bool:
@@ -169,8 +187,15 @@ def _is_num(v: Any) -> bool:
 
 
 def _add_step(
-    trace: Trace, out: dict[tuple[int, int, str], Entry], model: int, direction: str, cols: dict[str, Any]
+    trace: Trace,
+    out: dict[tuple[int, int, str], Entry],
+    model: int,
+    direction: str,
+    cols: dict[str, Any],
+    unscale_log2: int | None = None,
 ) -> None:
+    """Add one step's columns; with ``unscale_log2``, gradients are divided back by 2**unscale_log2."""
+    shift = unscale_log2 or 0
     for i, module in enumerate(cols["module"]):
         key = (model, module, direction)
         e = out.get(key)
@@ -183,14 +208,17 @@ def _add_step(
         e.sampled += cols["sampled"][i]
         e.zero += cols["zero"][i]
         e.nonfinite += cols["nonfinite"][i]
-        e.overflow += cols["overflow"][i]
         value = cols["abs_max"][i]
         e.nonfinite_any = e.nonfinite_any or value is None or bool(_at(cols, "nonfinite_any", i, False))
-        e.abs_max = max(e.abs_max, float(value or 0.0))
+        e.abs_max = max(e.abs_max, float(value or 0.0) / 2.0**shift)
+        above = 0  # sampled values at or above 2**16 once unscaled: beyond fp16's max 65504
         for k, c in enumerate(cols["counts"][i]):
             if c:
-                exp = cols["log2_lo"][i] + k
+                exp = cols["log2_lo"][i] + k - shift
                 e.counts[exp] = e.counts.get(exp, 0) + c
+                above += c if exp >= 16 else 0
+        e.overflow += above if unscale_log2 is not None else cols["overflow"][i]
+        e.unscaled = e.unscaled or unscale_log2 is not None
 
 
 def _at(cols: dict[str, Any], key: str, i: int, default: Any) -> Any:

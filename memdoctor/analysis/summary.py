@@ -491,8 +491,14 @@ GRAD_CHART_STEPS = 8
 
 
 def grad_norm_steps(trace: Trace) -> list[StepRecord]:
-    """Complete steps that measured gradient norms (warm-up steps included), in order."""
-    return [s for s in trace.steps if s.complete and _has_grad_norms(s)]
+    """Complete steps that measured gradient norms (warm-up steps included), in order; not the steps a
+    GradScaler skipped (their Inf/NaN gradients never reached the weights: see ``scaler_skip_flags``)."""
+    return [s for s in trace.steps if s.complete and _has_grad_norms(s) and not scaler_skipped(s)]
+
+
+def scaler_skipped(step: StepRecord) -> bool:
+    """Whether a ``torch.amp.GradScaler`` skipped this step's optimizer step."""
+    return bool(step.grad_scaler and step.grad_scaler.get("skipped"))
 
 
 def _has_grad_norms(step: StepRecord) -> bool:
@@ -563,7 +569,7 @@ def grad_flags(trace: Trace) -> list[dict[str, Any]]:
     """Every gradient-norm finding, ``{kind, module, step, evidence}``: each kind and module once, at the
     first step it showed in, with how many of the measured steps showed it."""
     measured = len(grad_norm_steps(trace))
-    return [f for rule in GRAD_RULES for f in _once(rule(trace), measured)]
+    return scaler_skip_flags(trace) + [f for rule in GRAD_RULES for f in _once(rule(trace), measured)]
 
 
 def nonfinite_flags(trace: Trace) -> list[dict[str, Any]]:
@@ -643,6 +649,29 @@ def _vanishing_in(trace: Trace, info: ModelInfo, step: StepRecord) -> list[dict[
             text = f"gradient norm {value:.3g}, {ratio} below the median of its neighbours ({med:.3g})"
             out.append(_grad_flag("vanishing", name, step.step, text))
     return out
+
+
+def scaler_skip_flags(trace: Trace) -> list[dict[str, Any]]:
+    """Steps a GradScaler skipped: their scaled gradients held Inf/NaN. A few while the scaler lowers
+    its scale are how fp16 loss scaling works; every step skipped means the model itself produces
+    Inf/NaN (or the scale never gets low enough), and it does not train."""
+    scaled = [s for s in trace.steps if s.complete and s.grad_scaler]
+    skipped = [s for s in scaled if scaler_skipped(s)]
+    if not skipped:
+        return []
+    scales = [s.grad_scaler.get("scale") for s in scaled if s.grad_scaler]
+    shown = [f"{v:g}" for v in scales if v is not None]
+    trend = f"; loss scale {shown[0]} at the first step, {shown[-1]} at the last" if shown else ""
+    kind = "nonfinite" if len(skipped) == len(scaled) else "scaler_skipped"
+    what = "expected while it finds its scale"
+    if kind == "nonfinite":
+        what = "every step: the model does not train"
+    text = (
+        f"torch.amp.GradScaler skipped {len(skipped)} of {len(scaled)} steps (steps "
+        f"{', '.join(str(s.step) for s in skipped[:8])}{' ...' if len(skipped) > 8 else ''}): Inf/NaN in the "
+        f"scaled gradients, {what}{trend}"
+    )
+    return [{**_grad_flag(kind, None, skipped[0].step, text), "count": len(skipped)}]
 
 
 GRAD_RULES = (nonfinite_flags, exploding_flags, vanishing_flags)

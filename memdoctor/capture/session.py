@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memdoctor.capture import gradnorms, history
+from memdoctor.capture import gradnorms, gradscaler, history
 from memdoctor.capture.collectors import Collector
 from memdoctor.capture.discovery import (
     DiscoveredModel,
@@ -158,6 +158,9 @@ class ProfileSession:
         self._step_index = 0
         self._done = False
         self._running = False
+        self._scaler = gradscaler.ScalerWatch(
+            self._scaler_step, self._scaler_skipped, lambda: self._opt_count
+        )
         self._new_step(first=True)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -175,6 +178,7 @@ class ProfileSession:
             register_optimizer_step_pre_hook(self._opt_pre),
             register_optimizer_step_post_hook(self._opt_post),
         ]
+        self._scaler.install()
         if self.detailed(0):
             self._module_hooks(True)
         self._running = True
@@ -190,6 +194,7 @@ class ProfileSession:
         for handle in self._handles + self._param_handles:
             handle.remove()
         self._handles, self._param_handles = [], []
+        self._scaler.remove()
         self._module_hooks(False)
         if self._running:
             for c in self.collectors:
@@ -590,6 +595,22 @@ class ProfileSession:
         # warm-up, first and last profiled steps pay this; timing steps are written without waiting.
         self._write_provisional()
 
+    def _scaler_step(self, scale: Any) -> None:
+        """A GradScaler is about to step: keep the (device) scale its gradients were multiplied by."""
+        if not self._done:
+            self._data.scaler_stepped = True
+            self._data.loss_scale = scale
+
+    def _scaler_skipped(self, opt: torch.optim.Optimizer) -> None:
+        """The GradScaler found Inf/NaN gradients and skipped ``opt.step()``: the training step still
+        ends here (forward and backward ran; the script goes on to its next batch), so close it as if
+        the optimizer had stepped, marked skipped, instead of merging it into the next step."""
+        if self._done:
+            return
+        self._data.scaler_skipped = True
+        self._opt_pre(opt, (), {})
+        self._opt_post(opt, (), {})
+
     def _note_optimizer(self, key: int) -> None:
         """Learn which optimizers make one training step: those that step between two steps of the
         same optimizer. One optimizer is the common case; a GAN steps its discriminator's and then its
@@ -847,6 +868,9 @@ class ProfileSession:
         measured) and what the collectors measured (``collectors``, extra ``modules`` columns)."""
         out = rec.to_record()
         out["grad_norm"] = data.grad_norm_field
+        if data.scaler_stepped:  # the step's GPU work is done here: reading the scale does not stall
+            scale = gradscaler.read_scale(data.loss_scale)
+            out["grad_scaler"] = {"scale": scale, "skipped": data.scaler_skipped}
         fields: dict[str, Any] = {}
         for c in list(self.collectors):
             value = self._call(c, "step_field", rec.step)

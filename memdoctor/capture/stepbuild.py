@@ -61,6 +61,10 @@ class StepData:
     grad_norms: gradnorms.GradNorms | None = None
     grad_order: dict[int, int] = field(default_factory=dict)  # parameter id -> backward accumulation rank
     grad_norm_field: dict[str, Any] | None = None  # the step record's grad_norm, set by build_step
+    # A torch.amp.GradScaler's device copy of the step's loss scale, and whether it skipped the step.
+    loss_scale: Any = None
+    scaler_stepped: bool = False
+    scaler_skipped: bool = False
 
     def fold_micro(self) -> None:
         """Fold the finished micro-batch into the step: activations are the largest micro-batch's."""

@@ -250,8 +250,10 @@ def gradient_health(x: RuleInput) -> list[Finding]:
     """Gradient health: NaN/Inf, exploding or vanishing gradients, from the gradient-norm flags."""
     out = []
     for flag in x.summary.get("grad_flags") or []:
-        severity = "critical" if flag.get("kind") == "nonfinite" else "warning"
-        title = f"{flag.get('kind')} gradients in {flag.get('module')}"
+        kind, module = flag.get("kind"), flag.get("module")
+        severity = {"nonfinite": "critical", "scaler_skipped": "info"}.get(str(kind), "warning")
+        title = "GradScaler skipped steps" if kind == "scaler_skipped" else f"{kind} gradients"
+        title += f" in {module}" if module else ""
         out.append(finding("gradient_health", severity, title, str(flag.get("evidence")), 0, 0.0, "high"))
     return out
 
