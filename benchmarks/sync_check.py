@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 WRAPPER = "benchmarks/workloads/sync_debug.py"
-DEFAULT = ["benchmarks/workloads/bert_story.py", "--steps", "12", "--batch-size", "8", "--seq-len", "128", "--bf16"]
+DEFAULT = ["benchmarks/workloads/bert_story.py", "--steps", "12", "--batch-size", "8", "--seq-len", "128"]
+DEFAULT += ["--bf16"]
 HOOKS = {"_fwd_pre", "_fwd_post", "on_backward", "on_grad", "_pack", "_collect_fwd_pre", "_collect_fwd_post"}
 HOOKS |= {"on_forward_pre", "on_forward_post", "_root_call"}
 
@@ -63,7 +64,12 @@ def summarize(records: list[dict]) -> dict:
         if where:
             by_function[f"{kind}: {where}"] += 1
         examples.setdefault(kind, rec["stack"][-8:])
-    return {"total": len(records), "by_origin": dict(by_origin), "by_function": dict(by_function), "examples": examples}
+    return {
+        "total": len(records),
+        "by_origin": dict(by_origin),
+        "by_function": dict(by_function),
+        "examples": examples,
+    }
 
 
 def main() -> None:
@@ -75,7 +81,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bare = run(out, "bare", [sys.executable, WRAPPER, *workload])
-    prof = [sys.executable, "-m", "memdoctor", "profile", "--steps", "6", "-o", str(out / "profiled"), "--force"]
+    prof = [sys.executable, "-m", "memdoctor", "profile", "--steps", "6", "--force"]
+    prof += ["-o", str(out / "profiled")]
     profiled = run(out, "profiled", [*prof, WRAPPER, "--", *workload])
     results = {"workload": workload, "bare": summarize(bare), "profiled": summarize(profiled)}
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(args.seed)
     images = torch.randn(n, 3, size, size, generator=g)
     labels = torch.randint(0, config.num_labels, (n,), generator=g)
-    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda")
+    pin = device.type == "cuda"
+    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=True, pin_memory=pin)
     timer = StepTimer(args.timing_file, device)
     step, loss = 0, None
     try:
