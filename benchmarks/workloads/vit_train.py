@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     images = torch.randn(n, 3, size, size, generator=g)
     labels = torch.randint(0, config.num_labels, (n,), generator=g)
     pin = device.type == "cuda"
-    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=True, pin_memory=pin)
+    data = TensorDataset(images, labels)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, pin_memory=pin)
     timer = StepTimer(args.timing_file, device)
     step, loss = 0, None
     try:
