@@ -34,14 +34,20 @@ HOOKS = {"_fwd_pre", "_fwd_post", "on_backward", "on_grad", "_pack", "_collect_f
 HOOKS |= {"on_forward_pre", "on_forward_post", "_root_call"}
 
 
-def origin(stack: list[str]) -> tuple[str, str | None]:
-    """(origin, innermost memdoctor function) of one logged synchronisation."""
-    ours = [frame for frame in stack if f"{os.sep}memdoctor{os.sep}" in frame and "benchmarks" not in frame]
+# Frames that say nothing about who made the call: the runner at the bottom of every stack, the
+# transfers collector's wrappers of Tensor.to/.item/torch.tensor (they pass the caller's own call
+# through: the caller above them decides), and the warning machinery at the top.
+SKIP = ("memdoctor/runner/", "memdoctor/capture/transfers.py", "/warnings.py", "sync_debug.py")
+
+
+def origin(stack: list[str]) -> tuple[str, str]:
+    """(origin, site) of one logged synchronisation: memdoctor when memdoctor code made the call."""
+    frames = [f for f in stack if not any(k in f for k in SKIP)]
+    ours = [f.split(f"{os.sep}memdoctor{os.sep}", 1)[1] for f in frames if f"{os.sep}memdoctor{os.sep}" in f]
     if not ours:
-        return "script", None
-    names = [frame.rsplit(":", 1)[1] for frame in ours]
-    kind = "memdoctor hook" if any(n in HOOKS for n in names) else "memdoctor step boundary"
-    return kind, ours[-1].split(f"{os.sep}memdoctor{os.sep}", 1)[1]
+        return "script", (frames[-1].rsplit(os.sep, 1)[-1] if frames else "?")
+    names = {f.rsplit(":", 1)[1] for f in ours}
+    return ("memdoctor hook" if names & HOOKS else "memdoctor step boundary"), ours[-1]
 
 
 def run(out: Path, name: str, cmd: list[str]) -> list[dict]:
@@ -61,8 +67,7 @@ def summarize(records: list[dict]) -> dict:
     for rec in records:
         kind, where = origin(rec["stack"])
         by_origin[kind] += 1
-        if where:
-            by_function[f"{kind}: {where}"] += 1
+        by_function[f"{kind}: {where}"] += 1
         examples.setdefault(kind, rec["stack"][-8:])
     return {
         "total": len(records),
@@ -81,7 +86,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bare = run(out, "bare", [sys.executable, WRAPPER, *workload])
-    prof = [sys.executable, "-m", "memdoctor", "profile", "--steps", "6", "--force"]
+    prof = [sys.executable, "-m", "memdoctor", "profile", "--steps", "11", "--force"]  # 1 + 11: all 12 steps
     prof += ["-o", str(out / "profiled")]
     profiled = run(out, "profiled", [*prof, WRAPPER, "--", *workload])
     results = {"workload": workload, "bare": summarize(bare), "profiled": summarize(profiled)}

@@ -304,10 +304,19 @@ def _device_stats(rows: _DeviceRows) -> list[list[float]]:
         if not mine:
             break
         width = max(mine)  # only the columns some row of this chunk uses
-        valid = torch.arange(width, device=rows.device) < torch.tensor(mine, device=rows.device)[:, None]
+        valid = torch.arange(width, device=rows.device) < _host_list(mine, rows.device)[:, None]
         parts.append(_chunk_stats(chunk[: len(mine), :width], valid, _abs_max(rows, c, len(mine))))
     host = torch.cat(parts).to(torch.float64).cpu()
     return host.tolist()
+
+
+def _host_list(values: list[Any], device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a sync: ``torch.tensor(values, device=cuda)`` copies from
+    pageable memory, which waits for the GPU (``set_sync_debug_mode`` flags it); a pinned copy is queued."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _abs_max(rows: _DeviceRows, chunk: int, m: int) -> torch.Tensor:
@@ -317,7 +326,7 @@ def _abs_max(rows: _DeviceRows, chunk: int, m: int) -> torch.Tensor:
     for dtype, slots in rows.minmax.items():
         if chunk >= len(slots) or dtype not in dtypes:
             continue
-        mine = torch.tensor([d == dtype for d in dtypes], device=rows.device)
+        mine = _host_list([d == dtype for d in dtypes], rows.device)
         mm = slots[chunk][:, :m].to(torch.float64)
         out = torch.where(mine, torch.maximum(-mm[0], mm[1]), out)
     return out
