@@ -454,3 +454,31 @@ def test_a_failing_measurement_never_reaches_the_loop() -> None:
     assert sorted(seen)[:4] == [0, 1, 2, 3]  # the script ran every step
     assert "device lost" in facts(records)["failure"]
     assert dl._BaseDataLoaderIter.__dict__["__next__"] is ORIGINAL_NEXT
+
+
+def test_a_run_that_dies_in_its_first_step_keeps_the_batch_it_fetched(tmp_path: Path) -> None:
+    """An OOM at step 0 comes before any optimizer step (when the look-ahead is learned): the batch the
+    step fetched still lands in the trace, so the data-traits axis and padding are measured."""
+    import memdoctor
+
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 4)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            self.emb(input_ids)
+            raise torch.OutOfMemoryError("planted out of memory")
+
+    ids, mask = padded([3, 5, 8, 2])
+    loader = DataLoader([{"input_ids": i, "attention_mask": m} for i, m in zip(ids, mask, strict=True)], 4)
+    model = Boom()
+    torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(torch.OutOfMemoryError), memdoctor.profile(tmp_path / "out", steps=2, collect="data"):
+        for batch in loader:
+            model(**batch)
+    trace = load_trace(tmp_path / "out" / "trace.jsonl.gz")
+    [step] = trace.steps
+    batches = step.collectors["data"]["batches"]
+    assert batches[0]["lengths"] == [3, 5, 8, 2]
+    assert build_summary(trace)["padding_fraction"] == pytest.approx(1 - 18 / 32, abs=1e-6)

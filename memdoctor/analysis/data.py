@@ -35,7 +35,10 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
     """``dataloader_wait_fraction``, ``padding_fraction`` and ``data`` (null when not measured)."""
     steps = _data_steps(trace.profiled_steps())
     wait = wait_figures(steps)
-    batches = [(s.step, b) for s, d in steps for b in _batches(d)]
+    # Batch traits from the profiled steps; a run that died before completing one (an OOM at step 0)
+    # still fetched and measured the batch it died on: use every step then, and say so.
+    traits_steps = steps if any(_batches(d) for _, d in steps) else _data_steps(trace.steps)
+    batches = [(s.step, b) for s, d in traits_steps for b in _batches(d)]
     summary["dataloader_wait_fraction"] = wait["fraction"] if wait else None
     summary["padding_fraction"] = padding_fraction([b for _, b in batches])
     if not steps and not _data_steps(trace.steps):
@@ -50,6 +53,7 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
         "lengths": percentiles(lengths),
         "largest_batch": largest_batch(batches),
         "traits": traits_class(batches, summary["padding_fraction"], lengths),
+        "batches_from": "profiled steps" if traits_steps is steps else "every recorded step (none profiled)",
         "incomplete_step": _incomplete(trace),
         "not_measured": data_not_measured(trace, steps),
     }

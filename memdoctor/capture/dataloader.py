@@ -269,6 +269,10 @@ class DataCollector(Collector):
 
     # ------------------------------------------------------------------------------ records
     def step_field(self, step: int) -> Any:
+        if self._lookahead is None and self._pending:
+            # No optimizer step yet, so no look-ahead known: the script failed in its first step (an
+            # OOM at step 0 is the common case). Every batch fetched so far is that step's.
+            self._hand_over(step, 0)
         if step not in self._fields:
             fig = self._steps.pop(step, None)
             if fig is None and self._patched is None:
