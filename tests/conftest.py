@@ -84,6 +84,13 @@ _PATCHABLE = (
     ("torch", "Tensor"),
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
     ("torch.utils.data.dataloader", "DataLoader"),
+    # memdoctor run's framework patches (memdoctor/runtime/frameworks.py)
+    ("transformers.training_args", "TrainingArguments"),
+    ("transformers.trainer", "Trainer"),
+    ("lightning.pytorch.trainer.trainer", "Trainer"),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_DataConnector"),
+    ("pytorch_lightning.trainer.trainer", "Trainer"),
+    ("pytorch_lightning.trainer.connectors.data_connector", "_DataConnector"),
 )
 
 
@@ -139,6 +146,7 @@ def no_leaked_hooks() -> Iterator[None]:
         _clear_hooks()
     threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
     patched_before = patchable_snapshot()
+    finders_before = list(sys.meta_path)
     yield
     hooks = leaked_hooks()
     threads = leaked_threads(threads_before)
@@ -148,5 +156,9 @@ def no_leaked_hooks() -> Iterator[None]:
     problems = [f"global torch hooks left installed: {', '.join(hooks)}"] if hooks else []
     problems += [f"threads left running: {', '.join(threads)}"] if threads else []
     problems += [f"functions left patched: {', '.join(patches)}"] if patches else []
+    finders = [f for f in sys.meta_path if f not in finders_before]
+    for finder in finders:  # an import hook left behind would patch every later import of its module
+        sys.meta_path.remove(finder)
+    problems += [f"import hooks left in sys.meta_path: {finders}"] if finders else []
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
