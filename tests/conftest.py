@@ -2,8 +2,9 @@
 
 The autouse ``no_leaked_hooks`` fails a test that leaves memdoctor's global state behind: the profiler
 installs global module and optimizer hooks, saved-tensor hooks and threads, and its collectors wrap a few
-torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...); a leak would silently
-change every later test (and, in a user's process, every later step).
+torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...), and ``memdoctor run``'s
+framework path patches the HF / Lightning Trainer classes through an import hook (``sys.meta_path``); a
+leak would silently change every later test (and, in a user's process, every later step).
 """
 
 from __future__ import annotations

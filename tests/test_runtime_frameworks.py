@@ -263,3 +263,15 @@ assert "_memdoctor" not in repr(sys.meta_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradient_accumulation_steps=2 (was 1)" in proc.stdout
     assert json.loads(out.read_text())["gradient_accumulation_steps"] == 2
+
+
+def test_an_unexpected_error_is_said_and_never_raised_into_the_script() -> None:
+    state = _State(PlanConfig(accumulation_steps=2), announce=lambda line: None)
+    state.loader_hook = True
+    kwargs = {"accumulate_grad_batches": "every other"}  # not a number: int() raises inside the patch
+    assert state.guard("Lightning Trainer", _lightning_kwargs, state, kwargs) is None
+    assert state.lines == [
+        "Lightning Trainer: not (fully) applied: ValueError: invalid literal for int() with base 10: "
+        "'every other'; the rest stays the script's own"
+    ]
+    assert state.handled == set()  # nothing taken over: the generic path may still apply it

@@ -157,6 +157,16 @@ class _State:
             self.lines.append(line)
             self.announce(line)
 
+    def guard(self, what: str, apply: Callable[..., Any], *args: Any) -> Any:
+        """``apply(*args)``; an unexpected error is said, never raised into the script (its settings stay)."""
+        try:
+            return apply(*args)
+        except Exception as exc:  # a framework version this code does not know: the script must still run
+            self.say(
+                f"{what}: not (fully) applied: {type(exc).__name__}: {exc}; the rest stays the script's own"
+            )
+            return None
+
     def wrap(self, cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         """Replace ``cls.name`` by ``make(original)``, remembering how to put it back."""
         original = getattr(cls, name)
@@ -178,7 +188,7 @@ class _State:
             def __post_init__(args: Any, *a: Any, **kw: Any) -> Any:
                 if not args.__dict__.get("_memdoctor_applied"):
                     args.__dict__["_memdoctor_applied"] = True
-                    _apply_training_arguments(self, args, module)
+                    self.guard("HF TrainingArguments", _apply_training_arguments, self, args, module)
                 return original(args, *a, **kw)
 
             return __post_init__
@@ -190,7 +200,7 @@ class _State:
             def __init__(trainer: Any, *a: Any, **kw: Any) -> None:
                 original(trainer, *a, **kw)
                 if self.config.checkpoint:
-                    _hf_checkpointing(self, trainer)
+                    self.guard("HF Trainer: checkpoint", _hf_checkpointing, self, trainer)
 
             return __init__
 
@@ -201,7 +211,7 @@ class _State:
     def patch_lightning_trainer(self, module: ModuleType) -> None:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def __init__(trainer: Any, *a: Any, **kw: Any) -> None:
-                kw, armed = _lightning_kwargs(self, kw)
+                kw, armed = self.guard("Lightning Trainer", _lightning_kwargs, self, kw) or (kw, None)
                 original(trainer, *a, **kw)
                 if armed is not None:  # (the script's accumulate_grad_batches, n) for the loader hook
                     trainer.__dict__["_memdoctor_accumulation"] = armed
@@ -221,7 +231,10 @@ class _State:
                 prepared = original(conn, dataloader, shuffle, mode)
                 if getattr(mode, "value", mode) != "train":
                     return prepared
-                return _lightning_rebatch(self, conn.trainer, prepared)
+                rebatched = self.guard(
+                    "Lightning DataLoader", _lightning_rebatch, self, conn.trainer, prepared
+                )
+                return prepared if rebatched is None else rebatched
 
             return _prepare_dataloader
 
@@ -400,16 +413,16 @@ def _lightning_kwargs(state: _State, kwargs: dict[str, Any]) -> tuple[dict[str, 
 
 def _lightning_accumulation(state: _State, kwargs: dict[str, Any]) -> tuple[int, int] | None:
     """Multiply ``accumulate_grad_batches`` by n, or refuse by name; the part is Lightning's either way."""
-    n = state.config.accumulation_steps
+    n, own = state.config.accumulation_steps, int(kwargs.get("accumulate_grad_batches", 1))
     state.handled.add("accumulation")
     if not state.loader_hook:
         state.say("Lightning: accumulation refused: this Lightning has no DataLoader hook memdoctor knows")
         return None
     callbacks = kwargs.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
     if any(type(c).__name__ == "GradientAccumulationScheduler" for c in callbacks):
         state.say("Lightning: accumulation refused: the script schedules accumulation itself")
         return None
-    own = int(kwargs.get("accumulate_grad_batches", 1))
     kwargs["accumulate_grad_batches"] = own * n
     state.say(
         f"Lightning: accumulate_grad_batches={own * n} (was {own}); each training batch is split into {n} "
