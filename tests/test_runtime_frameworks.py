@@ -18,6 +18,8 @@ from typing import Any
 import lightning.pytorch.trainer.connectors.data_connector as pl_data
 import lightning.pytorch.trainer.trainer as pl_trainer
 import pytest
+import pytorch_lightning.trainer.connectors.data_connector as ptl_data
+import pytorch_lightning.trainer.trainer as ptl_trainer
 import torch
 import transformers.trainer as hf_trainer
 import transformers.training_args as hf_args
@@ -155,12 +157,15 @@ def test_a_micro_batch_planned_for_another_batch_size_is_named(tmp_path: Path) -
 # ----------------------------------------------------------------------------------------- Lightning
 
 
-@pytest.mark.parametrize("samples", [24, 20])
+@pytest.mark.parametrize(
+    ("samples", "package"), [(24, "lightning.pytorch"), (20, "lightning.pytorch"), (20, "pytorch_lightning")]
+)
 def test_lightning_accumulation_splits_each_batch_and_keeps_steps_and_gradients(
-    tmp_path: Path, samples: int
+    tmp_path: Path, samples: int, package: str
 ) -> None:
-    base = run("fw_lightning.py", tmp_path, "--samples", str(samples))
-    got = run("fw_lightning.py", tmp_path, "--samples", str(samples), config=PlanConfig(accumulation_steps=2))
+    argv = ("--samples", str(samples), "--package", package)
+    base = run("fw_lightning.py", tmp_path, *argv)
+    got = run("fw_lightning.py", tmp_path, *argv, config=PlanConfig(accumulation_steps=2))
     assert got["accumulate_grad_batches"] == 2
     assert base["batch_sizes"] == [8, 8, samples - 16]
     assert got["batch_sizes"] == [4] * 4 + [(samples - 16) // 2] * 2
@@ -221,23 +226,23 @@ def test_micro_batch_sampler_splits_every_batch_in_order(
 # ----------------------------------------------------------------------------------------- undo, laziness
 
 
-def test_undo_restores_every_patched_class() -> None:
-    originals = [
+def _patchable() -> list[Any]:
+    return [
         hf_args.TrainingArguments.__dict__["__post_init__"],
         hf_trainer.Trainer.__dict__["__init__"],
         pl_trainer.Trainer.__dict__["__init__"],
         pl_data._DataConnector.__dict__["_prepare_dataloader"],
+        ptl_trainer.Trainer.__dict__["__init__"],
+        ptl_data._DataConnector.__dict__["_prepare_dataloader"],
     ]
-    finders = list(sys.meta_path)
+
+
+def test_undo_restores_every_patched_class() -> None:
+    originals, finders = _patchable(), list(sys.meta_path)
     patch = patch_frameworks(PlanConfig(accumulation_steps=2, precision="bf16"), announce=lambda line: None)
-    assert hf_args.TrainingArguments.__dict__["__post_init__"] is not originals[0]
+    assert all(now is not before for now, before in zip(_patchable(), originals, strict=True))
     patch.undo()
-    assert [
-        hf_args.TrainingArguments.__dict__["__post_init__"],
-        hf_trainer.Trainer.__dict__["__init__"],
-        pl_trainer.Trainer.__dict__["__init__"],
-        pl_data._DataConnector.__dict__["_prepare_dataloader"],
-    ] == originals
+    assert _patchable() == originals
     assert sys.meta_path == finders
 
 

@@ -1,19 +1,15 @@
 """A tiny LightningModule trained by a Lightning Trainer; dumps what the Trainer actually used.
 
 Used by tests/test_runtime_frameworks.py: run as-is and under memdoctor's framework patches.
-``python fw_lightning.py OUT.json [--batch 8] [--accumulate 1] [--precision P] [--loader plain|subclass]``
+``python fw_lightning.py OUT.json [--accumulate 1] [--precision P] [--loader plain|subclass] [--package P]``
 """
 
 import argparse
+import importlib
 import json
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-try:
-    import lightning.pytorch as pl
-except ImportError:  # the older package name
-    import pytorch_lightning as pl  # type: ignore[no-redef]
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -22,7 +18,11 @@ parser.add_argument("--samples", type=int, default=24)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--precision", default=None)
 parser.add_argument("--loader", choices=("plain", "subclass"), default="plain")
+parser.add_argument(
+    "--package", choices=("lightning.pytorch", "pytorch_lightning"), default="lightning.pytorch"
+)
 opts = parser.parse_args()
+pl = importlib.import_module(opts.package)
 
 
 class MyLoader(DataLoader):
