@@ -43,7 +43,6 @@ from memdoctor.runtime import FrameworkPatch
 _MISSING = object()
 _LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _FULL_PRECISION = (None, 32, "32", "32-true")
-_DATA_LOADER_ARGS = ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers")
 
 
 def patch_frameworks(config: PlanConfig, announce: Callable[[str], None] | None = None) -> FrameworkPatch:
