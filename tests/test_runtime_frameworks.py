@@ -26,7 +26,7 @@ import transformers.training_args as hf_args
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from memdoctor.config import DataLoaderSettings, PlanConfig
-from memdoctor.runtime import FrameworkPatch
+from memdoctor.runtime import FrameworkPatch, frameworks
 from memdoctor.runtime.frameworks import MicroBatchSampler, _lightning_kwargs, _State, patch_frameworks
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -203,6 +203,18 @@ def test_lightning_loader_it_cannot_rebuild_refuses_accumulation_by_name(tmp_pat
         .startswith("Lightning: accumulation refused: the training loader is a MyLoader")
     )
     assert got["patch"].handled == {"accumulation"}  # taken over, and refused by name
+
+
+def test_lightning_loader_that_fails_to_rebuild_keeps_the_scripts_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(loader: Any, batch_sampler: Any) -> Any:
+        raise TypeError("unexpected keyword argument 'in_order'")
+
+    monkeypatch.setattr(frameworks, "_rebuild", refuse)
+    got = run("fw_lightning.py", tmp_path, config=PlanConfig(accumulation_steps=2))
+    assert (got["accumulate_grad_batches"], got["batch_sizes"]) == (1, [8, 8, 8])
+    assert "could not be rebuilt (TypeError: unexpected keyword" in got["patch"].lines[-1]
 
 
 @pytest.mark.parametrize(

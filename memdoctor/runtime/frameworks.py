@@ -436,8 +436,13 @@ def _lightning_rebatch(state: _State, trainer: Any, loader: Any) -> Any:
     if armed is None or trainer.accumulate_grad_batches != armed[0] * armed[1]:
         return loader  # no plan for this Trainer, or the accumulation was already refused
     own, n = armed
-    why = _cannot_rebatch(loader, n)
-    if why:
+    why, rebuilt = _cannot_rebatch(loader, n), None
+    if why is None:
+        try:
+            rebuilt = _rebuild(loader, MicroBatchSampler(loader.batch_sampler, n))
+        except Exception as exc:  # an argument this torch's DataLoader does not take back
+            why = f"the training DataLoader could not be rebuilt ({type(exc).__name__}: {exc})"
+    if rebuilt is None:  # the script's batches with the script's accumulation: its effective batch
         trainer.accumulate_grad_batches = own
         state.say(f"Lightning: accumulation refused: {why}; accumulate_grad_batches is back to {own}")
         return loader
@@ -445,7 +450,7 @@ def _lightning_rebatch(state: _State, trainer: Any, loader: Any) -> Any:
         f"Lightning: training DataLoader batch size {loader.batch_size} -> {n} micro-batches of "
         f"{loader.batch_size // n}{_micro_batch_note(state.config, loader.batch_size)}"
     )
-    return _rebuild(loader, MicroBatchSampler(loader.batch_sampler, n))
+    return rebuilt
 
 
 def _cannot_rebatch(loader: Any, n: int) -> str | None:
