@@ -2,8 +2,9 @@
 
 The autouse ``no_leaked_hooks`` fails a test that leaves memdoctor's global state behind: the profiler
 installs global module and optimizer hooks, saved-tensor hooks and threads, and its collectors wrap a few
-torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...); a leak would silently
-change every later test (and, in a user's process, every later step).
+torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...), and ``memdoctor run``'s
+framework path patches the HF / Lightning Trainer classes through an import hook (``sys.meta_path``); a
+leak would silently change every later test (and, in a user's process, every later step).
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ _PATCHABLE = (
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
     ("torch.utils.data.dataloader", "DataLoader"),
     ("torch.amp.grad_scaler", "GradScaler"),
+    # memdoctor run's framework patches (memdoctor/runtime/frameworks.py)
+    ("transformers.training_args", "TrainingArguments"),
+    ("transformers.trainer", "Trainer"),
+    ("lightning.pytorch.trainer.trainer", "Trainer"),
+    ("lightning.pytorch.trainer.connectors.data_connector", "_DataConnector"),
+    ("pytorch_lightning.trainer.trainer", "Trainer"),
+    ("pytorch_lightning.trainer.connectors.data_connector", "_DataConnector"),
 )
 
 
@@ -140,6 +148,7 @@ def no_leaked_hooks() -> Iterator[None]:
         _clear_hooks()
     threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
     patched_before = patchable_snapshot()
+    finders_before = list(sys.meta_path)
     yield
     hooks = leaked_hooks()
     threads = leaked_threads(threads_before)
@@ -149,5 +158,9 @@ def no_leaked_hooks() -> Iterator[None]:
     problems = [f"global torch hooks left installed: {', '.join(hooks)}"] if hooks else []
     problems += [f"threads left running: {', '.join(threads)}"] if threads else []
     problems += [f"functions left patched: {', '.join(patches)}"] if patches else []
+    finders = [f for f in sys.meta_path if f not in finders_before]
+    for finder in finders:  # an import hook left behind would patch every later import of its module
+        sys.meta_path.remove(finder)
+    problems += [f"import hooks left in sys.meta_path: {finders}"] if finders else []
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)

@@ -1,0 +1,29 @@
+"""Applying a ``memdoctor.yaml`` to an unmodified training script, at runtime (``memdoctor run``).
+
+On merge, the ``run`` branch's version of this file wins (this copy holds only ``FrameworkPatch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FrameworkPatch:
+    """What ``memdoctor.runtime.frameworks.patch_frameworks(config)`` applied through a framework's own
+    arguments (HF ``TrainingArguments``, Lightning ``Trainer``).
+
+    ``handled`` names the config parts the framework path took over ("checkpoint", "precision",
+    "accumulation", "padding", "data_loader", "optimizer", "attention"); the runtime installer leaves
+    those alone, so nothing is applied twice. It may grow after ``patch_frameworks`` returns (a Trainer
+    is built by the script later): the installer reads it when it installs each part, when the script
+    builds the model's optimizer (the model parts), or at each use (DataLoader settings, padding).
+    """
+
+    lines: list[str] = field(default_factory=list)
+    handled: set[str] = field(default_factory=set)
+    undo: Callable[[], None] = lambda: None
+
+
+__all__ = ["FrameworkPatch"]
