@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memdoctor.capture.history import _site, ledger_at_peak
+from memdoctor.capture.history import _TORCH_DIR, _site, ledger_at_peak
 
 
 def _alloc(addr: int, size: int, frames: list[dict] | None = None) -> dict:
@@ -14,7 +14,7 @@ def _free(addr: int, size: int) -> dict:
 
 
 LOSS = [
-    {"filename": "/x/torch/nn/functional.py", "line": 3, "name": "cross_entropy"},
+    {"filename": _TORCH_DIR + "nn/functional.py", "line": 3, "name": "cross_entropy"},
     {"filename": "/u/train.py", "line": 42, "name": "main"},
 ]
 
@@ -115,16 +115,28 @@ def test_summary_and_report_carry_the_peak_ledger(tmp_path):
     assert "<script>x</script>" not in html
 
 
-def test_site_skips_memdoctors_own_frames():
-    # Under the flops collector's dispatch mode the allocating op is called from memdoctor's frame:
-    # the site must still name the script's code.
+def test_site_skips_memdoctors_own_frames_and_dispatch_plumbing():
+    # Under the flops collector's dispatch mode the allocating op is called from memdoctor's frame
+    # through torch's OpOverload.__call__: the site must still name the script's code.
     frames = [
-        {"filename": "/x/torch/_ops.py", "line": 865, "name": "__call__"},
+        {"filename": _TORCH_DIR + "_ops.py", "line": 865, "name": "__call__"},
         {"filename": "/s/memdoctor/capture/flops.py", "line": 247, "name": "__torch_dispatch__"},
         {
             "filename": "/x/transformers/models/bert/modeling_bert.py",
             "line": 125,
             "name": "eager_attention_forward",
         },
+        {"filename": "/home/me/train.py", "line": 40, "name": "main"},
     ]
-    assert _site(frames) == "_ops.py:865 (__call__) <- modeling_bert.py:125 (eager_attention_forward)"
+    assert _site(frames) == "modeling_bert.py:125 (eager_attention_forward)"
+
+
+def test_site_outside_torch_is_judged_by_torchs_directory_not_a_substring():
+    """On the H200 the virtual environment lives in /opt/torch/.venv: transformers' path holds "/torch/"
+    and must still count as outside PyTorch."""
+    frames = [
+        {"filename": _TORCH_DIR + "nn/functional.py", "line": 3, "name": "cross_entropy"},
+        {"filename": "/opt/torch/.venv/lib/site-packages/transformers/loss.py", "line": 7, "name": "loss"},
+        {"filename": "/home/me/train.py", "line": 42, "name": "main"},
+    ]
+    assert _site(frames) == "functional.py:3 (cross_entropy) <- loss.py:7 (loss)"

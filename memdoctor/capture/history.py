@@ -116,17 +116,27 @@ def _site(frames: Iterable[dict[str, Any]] | None) -> str:
     """The allocating code: the innermost frame, and the first frame outside PyTorch that led there."""
     # memdoctor's own frames (a collector's dispatch mode or copy wrapper on the stack) are not the
     # allocating code: skip them, so the site names the script's line.
-    frames = [f for f in frames or [] if _MEMDOCTOR_DIR not in str(f.get("filename", ""))]
+    # The dispatch plumbing a dispatch mode adds (OpOverload.__call__ inside __torch_dispatch__) is not
+    # the allocating code either.
+    frames = [f for f in frames or [] if not _file(f).startswith(_SKIPPED) and _MEMDOCTOR_DIR not in _file(f)]
     if not frames:
         return "autograd backward (no Python frame)"
     inner = _fmt(frames[0])
-    outer = next((f for f in frames if "/torch/" not in str(f.get("filename", ""))), None)
+    # Outside PyTorch: not under torch's package directory. (A "/torch/" substring test would also
+    # skip every package of a virtual environment that happens to live under a folder named torch.)
+    outer = next((f for f in frames if not _file(f).startswith(_TORCH_DIR)), None)
     if outer is None or outer is frames[0]:
         return inner
     return f"{inner} <- {_fmt(outer)}"
 
 
 _MEMDOCTOR_DIR = os.sep + "memdoctor" + os.sep + "capture" + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_SKIPPED = (_TORCH_DIR + "_ops.py", os.path.join(_TORCH_DIR, "utils", "_python_dispatch.py"))
+
+
+def _file(frame: dict[str, Any]) -> str:
+    return str(frame.get("filename", ""))
 
 
 def _fmt(frame: dict[str, Any]) -> str:
