@@ -321,9 +321,10 @@ def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
 
 
 def padding_facts(trace: Trace, summary: dict[str, Any]) -> tuple[Padding | None, str | None]:
-    """The padding levers' measurements, or None with the reason they are unavailable."""
+    """The padding levers' measurements, or None with the reason they are unavailable. Every step's
+    batches count (warm-up too): the longest batch seen is what a trimmed plan must hold."""
     padded, longest = set(), []
-    for step in trace.profiled_steps():
+    for step in trace.steps:
         data = step.collectors.get("data")
         for b in (data.get("batches") or []) if isinstance(data, dict) else []:
             length = _padded_length(b) if isinstance(b, dict) else None

@@ -10,14 +10,14 @@ Search, in two tiers, following the story's decision order (memory levers first,
 For every combination of the non-checkpoint levers, ``choose_checkpoints`` picks *which* modules to
 checkpoint: greedily by measured bytes freed per millisecond of recomputation, never a module nested in
 another chosen one, then drops any choice the budget does not need. The story's "every N-th layer" rule
-is ``every_n_baseline``, kept to compare against.
+is ``every_n_baseline``, and its whole decision order ``story_baseline``, kept to compare against.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from memdoctor.plan.model import (
     predict,
     reserved_ratio,
 )
+from memdoctor.plan.ninegrid import lever_priority
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
@@ -44,18 +45,9 @@ ACCUMULATIONS = (1, 2, 4, 8)
 NARROW_SCALE_WINDOW_LOG2 = 4
 GROWTH_INTERVAL_WIDE = 2000
 GROWTH_INTERVAL_NARROW = 500
-# The planner's default lever order (the story's: memory levers first, numerics last) where no
-# nine-grid cell says otherwise; ``memdoctor.plan.ninegrid.lever_priority`` gives the cell's order.
-DEFAULT_PRIORITY = (
-    "checkpoint",
-    "offload",
-    "8bit",
-    "padding",
-    "attention",
-    "allocator",
-    "accumulation",
-    "precision",
-)
+# The lever order where no nine-grid cell is known (the story's: checkpointing or offload, then
+# dynamic batching, then mixed precision); ``make_plan`` takes the cell's order.
+DEFAULT_PRIORITY = tuple(lever_priority(None))
 
 
 @dataclass
@@ -261,9 +253,11 @@ def choose_checkpoints(w: Workload, config: Config, target: Target) -> list[Cand
         return []
     best: list[Candidate] = []
     for cap in sorted({c.free_bytes for c in w.candidates}):
-        picked = _greedy([c for c in w.candidates if c.free_bytes <= cap], need)
-        if picked and (not best or _ms(picked) < _ms(best)):
-            best = picked
+        pool = [c for c in w.candidates if c.free_bytes <= cap]
+        for order in GREEDY_ORDERS:
+            picked = _greedy(pool, need, order)
+            if picked and (not best or _ms(picked) < _ms(best)):
+                best = picked
     if best and not fits(_predict(w, _checkpointed(config, best), target), target):
         return []  # the linear estimate was off by rounding: say nothing fits rather than guess
     return best
@@ -288,10 +282,20 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     return max(0.0, (p0.breakdown["activations"] - room) / scale) + 1.0
 
 
-def _greedy(pool: list[Candidate], need: float) -> list[Candidate]:
+# Greedy orders: by bytes freed per ms of recomputation (cheap sub-blocks first), and by bytes freed
+# (whole blocks first: taking sub-blocks rules out their blocks, which can leave a large need unmet).
+GREEDY_ORDERS: tuple[Callable[[Candidate], float], ...] = (
+    lambda c: -c.bytes_per_ms,
+    lambda c: -c.free_bytes,
+)
+
+
+def _greedy(
+    pool: list[Candidate], need: float, order: Callable[[Candidate], float] = GREEDY_ORDERS[0]
+) -> list[Candidate]:
     chosen: list[Candidate] = []
     taken: set[tuple[int, int]] = set()
-    for c in sorted(pool, key=lambda c: -c.bytes_per_ms):
+    for c in sorted(pool, key=order):
         if c.key in taken or c.ancestors & taken or any(c.key in o.ancestors for o in chosen):
             continue
         chosen.append(c)
@@ -333,6 +337,44 @@ def every_n_baseline(
         if fits(p, target):
             return p
     return None
+
+
+def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | None:
+    """The story's decision order, the baseline the search must beat. Not enough memory: is the step
+    compute-bound (compute class high or medium, or not measured)? Then checkpoint every N-th block
+    (``every_n_baseline``: the largest N that fits) at every later stage too; else offload (the
+    embedding/head parameters and the optimizer state). Then dynamic batching: trim padding to the
+    longest sequence, then halve the micro-batch (gradient accumulation 2, 4, 8). Then mixed
+    precision: bf16 where the card has it, else fp16 where the precision verdict allows. Each stage
+    keeps the levers of the ones before; the first config that fits is returned, None when none does."""
+    base = _predict(w, Config(), target)
+    if fits(base, target):
+        return base
+    checkpointing = w.compute_class != "low"
+    for config in _story_stages(w, target, checkpointing):
+        p = every_n_baseline(trace, w, target, config) if checkpointing else _predict(w, config, target)
+        if p is None and checkpointing and not block_stack(trace, w):
+            p = _predict(w, config, target)  # no repeated blocks to checkpoint
+        if p is not None and fits(p, target):
+            return p
+    return None
+
+
+def _story_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
+    """The cumulative configs of the story's order (checkpoints are chosen per stage by the caller)."""
+    holders = tuple(h.name for h in w.param_holders)
+    config = Config() if checkpointing else Config(optimizer="offload", offload=holders)
+    stages = [config]
+    if w.padding is not None:
+        config = dataclasses.replace(config, padding="longest", pad_multiple=PAD_MULTIPLE)
+        stages.append(config)
+    for a in _accumulations(w)[1:]:
+        config = dataclasses.replace(config, accumulation=a)
+        stages.append(config)
+    precision = "bf16" if target.bf16(w) else "fp16" if w.precision_verdict == "fp16_safe" else None
+    if precision:
+        stages.append(dataclasses.replace(config, precision=precision))
+    return stages
 
 
 def block_stack(trace: Trace, w: Workload) -> list[Candidate]:
@@ -379,6 +421,12 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
     bigger = [c for c in CARDS if c.usable_bytes * (1 - target.margin) >= closest.reserved_bytes]
     if bigger:
         out.append(f"the smallest listed card that holds that config: {bigger[0].name}")
+    truncated = truncation_alternative(w, target)
+    if truncated is not None:
+        out.append(
+            f"an alternative that changes the data: {', '.join(truncated.config.levers())} would fit "
+            f"({format_bytes(truncated.reserved_bytes)} predicted)"
+        )
     out.append(
         "a shorter sequence length shrinks activations at least in proportion "
         "(attention scores with its square)"
@@ -386,11 +434,34 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
     return out
 
 
-def card_table(w: Workload, margin: float = SAFETY_MARGIN) -> list[dict[str, Any]]:
+def truncation_alternative(w: Workload, target: Target) -> Prediction | None:
+    """The fastest fitting config that truncates sequences to a length percentile (p99, else p90) on
+    top of the search's levers: it changes the data, so it is only offered as an alternative, labelled,
+    never as the plan. None without measured lengths or when no percentile fits either."""
+    if w.padding is None:
+        return None
+    for policy in ("p99", "p90"):
+        if policy not in w.padding.percentiles:
+            continue
+        configs = [
+            dataclasses.replace(c, padding=policy, pad_multiple=PAD_MULTIPLE)
+            for c in _tier_one(w) + _tier_two(w, target)
+            if c.padding == "as-is"
+        ]
+        found = [p for p in (_with_checkpoints(w, c, target) for c in configs) if p is not None]
+        fitting = [p for p in found if fits(p, target)]
+        if fitting:
+            return min(fitting, key=_cost)
+    return None
+
+
+def card_table(
+    w: Workload, margin: float = SAFETY_MARGIN, priority: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """ "Which card do I need": for every listed card, fits as-is / fits with a plan / does not fit."""
     rows = []
     for card in CARDS:
-        plan = make_plan(w, Target(card.usable_bytes, card, margin))
+        plan = make_plan(w, Target(card.usable_bytes, card, margin), priority)
         verdict = "fits as-is" if plan.fits_as_is else "fits with plan" if plan.fits else "does not fit"
         pick = plan.chosen or plan.closest
         rows.append(
