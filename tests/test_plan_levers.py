@@ -252,16 +252,24 @@ def test_an_fp16_plan_carries_the_grad_scaler_into_the_config(
     assert make_plan(dataclasses.replace(w, candidates=[]), Target(10_000)).as_dict()["grad_scaler"] is None
 
 
-def test_the_recorded_plan_writes_its_levers_into_the_config(
+def test_the_plan_writes_its_levers_into_the_config(
     recorded: dict[str, tuple[Trace, dict[str, Any]]],
 ) -> None:
+    from memdoctor.config import from_plan
+
+    plan = make_plan(hand_workload(padding=PAD, reserved_ratio=1.2), Target(1150)).as_dict()
+    assert plan["config"]["padding"] == "longest" and plan["config"]["pad_to_multiple_of"] == 8
+    cfg = from_plan(plan)
+    assert (cfg.padding, cfg.pad_to_multiple_of) == ("trim", 8)
+    # the recorded BERT's longest batch fills all 512 positions: trimming saves no memory, so the plan
+    # does not ask for it (the dynamic_padding finding still reports the time it would save)
     trace, summary = recorded[BERT32.name]
     w = workload(trace, summary)
     assert w is not None
-    plan = make_plan(w, Target(8 * GiB)).as_dict()
-    assert plan["config"]["padding"] == "longest" and plan["config"]["pad_to_multiple_of"] == 8
-    cfg = config_for_summary(trace, {**summary, "plan": plan})
-    assert cfg is not None and (cfg.padding, cfg.pad_to_multiple_of) == ("trim", 8)
+    bert = make_plan(w, Target(8 * GiB)).as_dict()
+    assert bert["fits"] and bert["config"]["padding"] == "as-is"
+    written = config_for_summary(trace, {**summary, "plan": bert})
+    assert written is not None and written.padding == "as-is"
 
 
 # ----------------------------------------------------------------------------------------- nine-grid priority
@@ -383,3 +391,17 @@ def test_the_planner_is_strictly_faster_than_the_story_where_it_matters(
         assert story is not None and plan.chosen is not None
         assert plan.chosen.extra_ms is not None and story.extra_ms is not None
         assert plan.chosen.extra_ms < story.extra_ms / 2
+
+
+def test_mixed_precision_rule_names_the_planned_scaler_and_device_based_cost(
+    recorded: dict[str, tuple[Trace, dict[str, Any]]],
+) -> None:
+    trace, summary = recorded[BERT32.name]
+    w = workload(trace, summary)
+    card = find_card("rtx2070")
+    (f,) = R.mixed_precision(R.RuleInput(trace, summary, w, Target(card.usable_bytes, card)))
+    assert "GradScaler(init_scale=2**16, growth_interval=2000)" in f["evidence"]  # window 2^12..2^18
+    assert w is not None and w.fwd_bwd_ms and w.step_ms
+    factor, basis = M.amp_time_factor(w, "fp16", card.name)
+    assert basis.startswith("device capabilities: RTX 2070")
+    assert f["cost_fraction"] == pytest.approx(w.fwd_bwd_ms * (factor - 1) / w.step_ms, abs=1e-4)

@@ -19,16 +19,16 @@ from typing import Any
 from memdoctor.analysis.summary import peak_step
 from memdoctor.plan.model import (
     AMP_ACTIVATION_FACTOR,
-    AMP_TIME_FACTOR,
     AMP_WEIGHT_CACHE_FACTOR,
     ATTENTION_SITE,
     Candidate,
     Config,
     Workload,
+    amp_time_factor,
     predict,
 )
 from memdoctor.plan.ninegrid import lever_priority
-from memdoctor.plan.planner import Target, block_stack, fits
+from memdoctor.plan.planner import Target, block_stack, fits, grad_scaler
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
@@ -134,7 +134,7 @@ def mixed_precision(x: RuleInput) -> list[Finding]:
     bf16 = x.target.card.bf16 if x.target and x.target.card else prec.get("bf16_available")
     verdict = prec.get("verdict")
     saving = _amp_saving(w)
-    cost = _amp_cost(w)
+    cost = _amp_cost(w, "bf16" if bf16 else "fp16", x.target)
     if bf16:
         evidence = f"the card has native bf16; precision verdict: {prec.get('title')} ({prec.get('reason')})"
         return [finding("mixed_precision", "info", "train in bf16 autocast", evidence, saving, cost)]
@@ -142,7 +142,10 @@ def mixed_precision(x: RuleInput) -> list[Finding]:
         evidence = f"no native bf16 on this card, and fp16 is not safe: {prec.get('reason')}"
         return [finding("mixed_precision", "warning", "do not use fp16 here", evidence, 0, 0.0, "high")]
     scale = prec.get("suggested_init_scale_log2")
+    settings = grad_scaler(w) if w is not None else None
     scaler = f"GradScaler(init_scale=2**{scale})" if scale is not None else "GradScaler()"
+    if settings is not None:
+        scaler = f"GradScaler(init_scale=2**{scale}, growth_interval={settings['growth_interval']})"
     evidence = f"no native bf16; {prec.get('title')}: {prec.get('reason')}; use fp16 autocast with {scaler}"
     return [finding("mixed_precision", "info", "train in fp16 with a GradScaler", evidence, saving, cost)]
 
@@ -154,10 +157,13 @@ def _amp_saving(w: Workload | None) -> int:
     return max(0, int(acts - w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR))
 
 
-def _amp_cost(w: Workload | None) -> float | None:
+def _amp_cost(w: Workload | None, precision: str, target: Target | None) -> float | None:
+    """Autocast's time change from the device's capabilities where measured (``amp_time_factor``)."""
     if w is None or w.fwd_bwd_ms is None:
         return None
-    return _step_fraction(w.fwd_bwd_ms * (AMP_TIME_FACTOR[w.compute_class] - 1), w)
+    card = target.card.name if target is not None and target.card is not None else None
+    factor, _ = amp_time_factor(w, precision, card)
+    return _step_fraction(w.fwd_bwd_ms * (factor - 1), w)
 
 
 def memory_efficient_attention(x: RuleInput) -> list[Finding]:
