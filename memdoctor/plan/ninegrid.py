@@ -22,6 +22,7 @@ from memdoctor.plan.model import Workload
 
 STATE_LOW = 0.25
 STATE_HIGH = 0.60
+AXES = {"compute": "compute intensity", "parameter_scale": "parameter scale", "data": "data traits"}
 # Lever families, as ``memdoctor.plan.model.Config.families`` names them.
 ACTIVATION_FIRST = ("checkpoint", "offload", "8bit")  # activations dominate: recompute them first
 STATE_FIRST = ("8bit", "offload", "checkpoint")  # model state dominates: shrink or move it first
@@ -62,15 +63,14 @@ def lever_priority(grid: dict[str, Any] | None) -> list[str]:
 def priority_evidence(grid: dict[str, Any] | None) -> str:
     """One sentence: why the cell puts the levers in ``lever_priority``'s order."""
     grid = grid or {}
-    levels = {a: (grid.get(a) or {}).get("level") for a in ("compute", "parameter_scale", "data")}
-    why = []
-    if levels["data"] == "high":
-        why.append("heavy padding: trim it first")
+    levels = {a: (grid.get(a) or {}).get("level") or "not measured" for a in AXES}
+    cell = ", ".join(f"{AXES[a]} {levels[a]}" for a in AXES)
+    why = ["heavy padding: trim it first"] if levels["data"] == "high" else []
     if levels["parameter_scale"] == "high" or levels["compute"] == "low":
-        why.append("model state dominates (parameter scale high or compute intensity low): shrink or move it")
+        why.append("model state dominates: shrink or move it before checkpointing")
     else:
-        why.append("activations dominate (compute intensity not low, parameter scale not high): checkpoint")
-    return "; ".join(why) + "; mixed precision last"
+        why.append("activations dominate: checkpoint first")
+    return f"{cell}: " + "; ".join(why) + "; mixed precision last"
 
 
 def priority(grid: dict[str, Any] | None) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Search, in two tiers, following the story's decision order (memory levers first, numerics last):
 
 1. levers that keep the numerics: activation checkpointing, micro-batch with gradient accumulation,
-   optimizer state offload;
+   optimizer state offload, and (where the trace measured what they act on) trimming padding to the
+   longest sequence, memory-efficient attention, expandable segments, parameter offload;
 2. only when tier 1 finds nothing: also autocast (bf16 where the card has it, fp16 only where the
    trace's precision verdict says fp16 is safe) and an 8-bit optimizer.
 
@@ -270,9 +271,7 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     must free for ``config`` to fit; None when even no activations at all would not fit."""
     p0 = _predict(w, config, target)
     parts = dict(p0.breakdown)
-    if (
-        config == Config()
-    ):  # checkpointed configs count every gradient (``predict``), this one those at the peak
+    if config == Config():  # checkpointed configs count every gradient (``predict``), this one not
         parts["gradients"] = w.gradients
     rest = sum(parts.values()) - parts["activations"]
     floor = parts["parameters"] + parts["gradients"] + parts["optimizer_state"] + w.fixed
