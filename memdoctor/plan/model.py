@@ -326,9 +326,11 @@ def padding_facts(trace: Trace, summary: dict[str, Any]) -> tuple[Padding | None
     padded, longest = set(), []
     for step in trace.steps:
         data = step.collectors.get("data")
-        for b in (data.get("batches") or []) if isinstance(data, dict) else []:
+        batches = data.get("batches") if isinstance(data, dict) else None
+        for b in batches if isinstance(batches, list) else []:
             length = _padded_length(b) if isinstance(b, dict) else None
-            real = [n for n in b.get("lengths") or [] if isinstance(n, int)] if length else []
+            lengths = b.get("lengths") if length else None
+            real = [n for n in lengths if _count(n)] if isinstance(lengths, list) else []
             if length and real:
                 padded.add(length)
                 longest.append(max(real))
@@ -344,13 +346,21 @@ def padding_facts(trace: Trace, summary: dict[str, Any]) -> tuple[Padding | None
 
 
 def _padded_length(batch: dict[str, Any]) -> int | None:
-    """The padded length of a token batch: the second dimension of its batch x length matrix."""
-    tokens = batch.get("tokens")
-    for shape in (batch.get("shapes") or {}).values():
-        ok = isinstance(tokens, int) and isinstance(shape, list) and len(shape) == 2
-        if ok and shape[0] * shape[1] == tokens and shape[1] > 0:
+    """The padded length of a token batch: the second dimension of its batch x length matrix (a trace
+    is untrusted input: anything of the wrong type is skipped)."""
+    tokens, shapes = batch.get("tokens"), batch.get("shapes")
+    if not _count(tokens) or not isinstance(shapes, dict):
+        return None
+    for shape in shapes.values():
+        matrix = isinstance(shape, list) and len(shape) == 2 and all(_count(d) for d in shape)
+        if matrix and shape[0] * shape[1] == tokens:
             return int(shape[1])
     return None
+
+
+def _count(x: Any) -> bool:
+    """A positive whole number (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def attention_temporaries(summary: dict[str, Any], temporaries: int) -> int:
