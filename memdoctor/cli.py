@@ -561,13 +561,19 @@ def plan_command(ns: argparse.Namespace) -> int:
         raise UsageError(f"{path}: cannot plan: {out['reason']}")
     written = write_plan_config(ns.output, trace, {**summary, "plan": out["plan"]}, force=ns.force)
     if ns.json:
-        cards = card_table(out["workload"], target.margin)
-        doc = {"plan": out["plan"], "findings": out["findings"], "ninegrid": out["ninegrid"], "cards": cards}
+        cards = card_table(out["workload"], target.margin, out["lever_priority"]["order"])
+        doc = {
+            "plan": out["plan"],
+            "findings": out["findings"],
+            "ninegrid": out["ninegrid"],
+            "lever_priority": out["lever_priority"],
+            "cards": cards,
+        }
         print(json.dumps(doc, indent=2, sort_keys=True))
         if written is not None:
             _say(f"Wrote {written}")  # stderr: stdout stays one JSON document
         return exitcodes.OK
-    print_plan(out, card_table(out["workload"], target.margin))
+    print_plan(out, card_table(out["workload"], target.margin, out["lever_priority"]["order"]))
     print_written([written])
     return exitcodes.OK
 

@@ -74,6 +74,8 @@ class PlanConfig:
     accumulation_steps: int = 1
     optimizer: str = "as-is"
     padding: str = "as-is"
+    pad_to_multiple_of: int | None = None  # with padding "trim": round each batch's length up to this
+    offload_parameters: tuple[str, ...] = ()  # modules whose parameters live on the CPU
     attention: str | None = None
     allocator: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     data_loader: DataLoaderSettings = field(default_factory=DataLoaderSettings)
@@ -83,6 +85,7 @@ class PlanConfig:
         """The YAML document's content, keys in the documented order."""
         d = dataclasses.asdict(self)
         d["checkpoint"] = list(self.checkpoint)
+        d["offload_parameters"] = list(self.offload_parameters)
         return {"memdoctor_config": CONFIG_VERSION, **d}
 
 
@@ -147,6 +150,8 @@ _TOP = (
     "accumulation_steps",
     "optimizer",
     "padding",
+    "pad_to_multiple_of",
+    "offload_parameters",
     "attention",
     "allocator",
     "data_loader",
@@ -164,11 +169,7 @@ def _from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
             f"{src}: config version {version} is newer than this memdoctor reads ({CONFIG_VERSION}); "
             "upgrade memdoctor"
         )
-    checkpoint = doc.get("checkpoint") or []
-    if not isinstance(checkpoint, list) or not all(isinstance(n, str) for n in checkpoint):
-        raise ConfigError(f"{src}: checkpoint must be a list of module names (strings)")
-    if len(set(checkpoint)) != len(checkpoint):
-        raise ConfigError(f"{src}: checkpoint names a module twice")
+    checkpoint = _names(doc.get("checkpoint"), "checkpoint", src)
     precision = _choice(doc.get("precision", "fp32"), "precision", PRECISIONS, src)
     scaler = _scaler(doc.get("grad_scaler"), src)
     if scaler is not None and precision != "fp16":
@@ -176,6 +177,7 @@ def _from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
     if precision == "fp16" and scaler is None:
         scaler = GradScalerSettings()
     micro = doc.get("micro_batch")
+    multiple = doc.get("pad_to_multiple_of")
     return PlanConfig(
         checkpoint=tuple(checkpoint),
         precision=precision,
@@ -184,11 +186,23 @@ def _from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
         accumulation_steps=_int(doc.get("accumulation_steps", 1), "accumulation_steps", src, minimum=1),
         optimizer=_choice(doc.get("optimizer", "as-is"), "optimizer", OPTIMIZERS, src),
         padding=_choice(doc.get("padding", "as-is"), "padding", PADDING_POLICIES, src),
+        pad_to_multiple_of=None if multiple is None else _int(multiple, "pad_to_multiple_of", src, minimum=1),
+        offload_parameters=_names(doc.get("offload_parameters"), "offload_parameters", src),
         attention=_opt_choice(doc.get("attention"), "attention", ATTENTION, src),
         allocator=_opt_str(doc.get("allocator"), "allocator", src),
         data_loader=_data_loader(doc.get("data_loader"), src),
         provenance=_provenance(doc.get("provenance"), src),
     )
+
+
+def _names(value: Any, name: str, src: str) -> tuple[str, ...]:
+    """A list of distinct module names (empty when absent)."""
+    names = value or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{src}: {name} must be a list of module names (strings)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{src}: {name} names a module twice")
+    return tuple(names)
 
 
 def _scaler(value: Any, src: str) -> GradScalerSettings | None:
@@ -295,7 +309,7 @@ def _short(value: Any) -> str:
 def check_modules(config: PlanConfig, names: list[str] | set[str], model_class: str | None = None) -> None:
     """``ConfigError`` when the config names a module the model lacks (a stale config, another model)."""
     known = set(names)
-    missing = [n for n in config.checkpoint if n not in known]
+    missing = [n for n in (*config.checkpoint, *config.offload_parameters) if n not in known]
     if missing:
         other = config.provenance.model_class
         hint = f" (the config was made for {other})" if other and model_class and other != model_class else ""
@@ -332,13 +346,19 @@ def from_plan(
     model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
     micro = batch_size // accumulation if batch_size and batch_size % accumulation == 0 else None
     ratio = plan.get("predicted_step_time_ratio")
+    trim = cfg.get("padding") == "longest"  # the planner never writes a data-changing truncation
     return PlanConfig(
         checkpoint=tuple(cfg.get("checkpoint") or ()),
         precision=precision,
-        grad_scaler=GradScalerSettings() if precision == "fp16" else None,
+        grad_scaler=_plan_scaler(plan) if precision == "fp16" else None,
         micro_batch=micro,
         accumulation_steps=accumulation,
         optimizer=str(cfg.get("optimizer") or "as-is"),
+        padding="trim" if trim else "as-is",
+        pad_to_multiple_of=cfg.get("pad_to_multiple_of") if trim else None,
+        offload_parameters=tuple(cfg.get("offload_parameters") or ()),
+        attention="sdpa" if cfg.get("attention") == "sdpa" else None,
+        allocator="expandable_segments:True" if cfg.get("allocator") == "expandable" else None,
         provenance=Provenance(
             trace=trace_path,
             model_class=model.cls if model is not None else None,
@@ -349,6 +369,14 @@ def from_plan(
             predicted_step_time_ratio=None if ratio is None else float(ratio),
         ),
     )
+
+
+def _plan_scaler(plan: dict[str, Any]) -> GradScalerSettings:
+    """The planner's GradScaler settings (from the measured gradient ranges), else torch's defaults."""
+    found = plan.get("grad_scaler") or {}
+    if not found.get("init_scale") or not found.get("growth_interval"):
+        return GradScalerSettings()
+    return GradScalerSettings(float(found["init_scale"]), int(found["growth_interval"]))
 
 
 def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None:

@@ -135,6 +135,11 @@ def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:
         out.append("optimizer: offload (use DeepSpeed ZeRO-Offload through accelerate; see docs/config.md)")
     if config.padding != "as-is":
         out.append(f"padding: {config.padding} (trim padding in your collate function; see docs/config.md)")
+    if config.offload_parameters:
+        out.append(
+            "offload_parameters: keep these modules' parameters on the CPU yourself (accelerate "
+            "device_map / cpu_offload, DeepSpeed ZeRO-3 offload_param)"
+        )
     if config.attention is not None:
         out.append(
             f"attention: {config.attention} "

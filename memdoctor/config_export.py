@@ -72,7 +72,13 @@ def not_expressed(config: PlanConfig, tool: str) -> list[str]:
     if config.optimizer == "offload":
         out.append("optimizer: offload: needs DeepSpeed ZeRO-Offload (offload_optimizer_device: cpu)")
     if config.padding != "as-is":
-        out.append(f"padding: {config.padding}: trim padding in the collate function")
+        multiple = f" (pad_to_multiple_of={config.pad_to_multiple_of})" if config.pad_to_multiple_of else ""
+        out.append(f"padding: {config.padding}: trim padding in the collate function{multiple}")
+    if config.offload_parameters:
+        out.append(
+            "offload_parameters: place these modules on the CPU (accelerate device_map / DeepSpeed ZeRO-3 "
+            "offload_param)"
+        )
     if config.attention is not None:
         out.append(f"attention: pass attn_implementation={config.attention!r} to from_pretrained")
     if config.allocator is not None:

@@ -21,7 +21,7 @@ from memdoctor.config import (
     load_config,
     parse_config,
 )
-from memdoctor.config_apply import split_batch
+from memdoctor.config_apply import not_applicable, split_batch
 from memdoctor.config_export import (
     accelerate_kwargs,
     hf_training_arguments,
@@ -146,6 +146,31 @@ def test_from_plan_carries_the_plan_and_its_provenance() -> None:
     assert cfg.provenance.budget_bytes == 8 << 30 and cfg.provenance.fits is True
     assert parse_config(dump_config(cfg)) == cfg
     assert from_plan(plan, batch_size=30).micro_batch is None  # 30 / 4 is not whole: not guessed
+
+
+def test_from_plan_carries_the_planner_levers_and_its_grad_scaler() -> None:
+    plan = {
+        "config": {
+            "precision": "fp16",
+            "padding": "longest",
+            "pad_to_multiple_of": 8,
+            "offload_parameters": ["embed"],
+            "attention": "sdpa",
+            "allocator": "expandable",
+        },
+        "grad_scaler": {"init_scale": 4096.0, "growth_interval": 500, "basis": "measured"},
+    }
+    cfg = from_plan(plan)
+    assert (cfg.padding, cfg.pad_to_multiple_of) == ("trim", 8)
+    assert cfg.offload_parameters == ("embed",)
+    assert (cfg.attention, cfg.allocator) == ("sdpa", "expandable_segments:True")
+    assert cfg.grad_scaler == GradScalerSettings(4096.0, 500)
+    assert parse_config(dump_config(cfg)) == cfg
+    truncated = from_plan({"config": {"padding": "p90", "pad_to_multiple_of": 8}})
+    assert (truncated.padding, truncated.pad_to_multiple_of) == ("as-is", None), "never written: changes data"
+    assert any("offload_parameters" in n for n in not_applicable(cfg))
+    with pytest.raises(ConfigError, match="'embed'"):
+        check_modules(cfg, ["other"])
 
 
 # ----------------------------------------------------------------------------------------- apply

@@ -18,7 +18,8 @@ FUZZ = settings(max_examples=1000, deadline=None, derandomize=True)
 KEYS = [
     "memdoctor_config", "checkpoint", "precision", "grad_scaler", "micro_batch", "accumulation_steps",
     "optimizer", "padding", "attention", "allocator", "data_loader", "provenance", "init_scale",
-    "growth_interval", "num_workers", "pin_memory", "trace", "fits", "unknown",
+    "growth_interval", "num_workers", "pin_memory", "trace", "fits", "unknown", "pad_to_multiple_of",
+    "offload_parameters",
 ]  # fmt: skip
 scalar = st.one_of(
     st.none(),
@@ -77,6 +78,8 @@ valid = st.builds(
     accumulation_steps=st.integers(1, 64),
     optimizer=st.sampled_from(["as-is", "8bit", "offload"]),
     padding=st.sampled_from(["as-is", "trim"]),
+    pad_to_multiple_of=st.one_of(st.none(), st.sampled_from([8, 64])),
+    offload_parameters=st.lists(st.text(min_size=1, max_size=12), max_size=2, unique=True).map(tuple),
     attention=st.sampled_from([None, "eager", "sdpa"]),
     allocator=st.one_of(st.none(), st.text(max_size=30)),
 )

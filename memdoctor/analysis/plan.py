@@ -12,7 +12,7 @@ from typing import Any
 
 from memdoctor.plan.cards import CONTEXT_RESERVE_BYTES
 from memdoctor.plan.model import workload
-from memdoctor.plan.ninegrid import ninegrid
+from memdoctor.plan.ninegrid import ninegrid, priority
 from memdoctor.plan.planner import Target, card_table, make_plan
 from memdoctor.plan.rules import RuleInput, run_rules
 from memdoctor.trace import Trace
@@ -34,7 +34,9 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
     """``{ninegrid, findings, plan, reason}`` for ``target`` (``plan`` None with ``reason`` when none)."""
     w = workload(trace, summary)
     grid = ninegrid(summary, w, target.budget_bytes if target else None)
-    findings = run_rules(RuleInput(trace, summary, w, target))
+    ranked = priority(grid)
+    order = ranked["order"]
+    findings = run_rules(RuleInput(trace, summary, w, target, order))
     reason = None
     if w is None:
         reason = "no step of this trace has a memory figure to plan from"
@@ -42,14 +44,23 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         reason = (
             "no budget: this run had no --budget and no GPU (memdoctor plan TRACE --budget SIZE makes one)"
         )
-    plan = make_plan(w, target).as_dict() if w is not None and target is not None else None
-    return {"ninegrid": grid, "findings": findings, "plan": plan, "reason": reason, "workload": w}
+    plan = make_plan(w, target, order).as_dict() if w is not None and target is not None else None
+    return {
+        "ninegrid": grid,
+        "lever_priority": ranked,
+        "findings": findings,
+        "plan": plan,
+        "reason": reason,
+        "workload": w,
+    }
 
 
 def summarize(trace: Trace, summary: dict[str, Any]) -> None:
-    """``ninegrid``, ``findings`` and ``plan`` (null when there is no budget or no memory figure)."""
+    """``ninegrid``, ``lever_priority``, ``findings`` and ``plan`` (null when there is no budget or no
+    memory figure)."""
     out = doctor(trace, summary, summary_target(summary))
     summary["ninegrid"] = out["ninegrid"]
+    summary["lever_priority"] = out["lever_priority"]
     summary["findings"] = out["findings"]
     summary["plan"] = out["plan"]
 
@@ -63,7 +74,8 @@ def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | No
         "plan": summary.get("plan"),
         "findings": summary.get("findings") or [],
         "ninegrid": summary.get("ninegrid") or {},
-        "cards": card_table(w),
+        "cards": card_table(w, priority=(summary.get("lever_priority") or {}).get("order")),
+        "lever_priority": summary.get("lever_priority"),
         "notes": list(w.notes),
         "context_reserve_bytes": CONTEXT_RESERVE_BYTES,
         "reason": None if summary.get("plan") else "no budget: this run had no --budget and no GPU",

@@ -12,6 +12,7 @@ measurement is a named constant here, listed in ``docs/planner.md``, to be calib
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from memdoctor.trace import Trace
 # keep fp32. An assumption to calibrate.
 AMP_ACTIVATION_FACTOR = 0.5
 AMP_HALVING_TYPES = re.compile(r"Linear|Conv|Attention|GELU|ReLU|SiLU|Tanh|Sigmoid|Mish|MLP", re.I)
+# Code sites of eager attention's temporaries in the peak ledger (seq x seq scores and probabilities).
+ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
 # Autocast caches a 16-bit copy of each matmul weight for the forward: + half the fp32 weight bytes.
 AMP_WEIGHT_CACHE_FACTOR = 0.5
 # 8-bit Adam-style optimizers (bitsandbytes) keep the two moments in 8 bits instead of 32: state / 4.
@@ -37,9 +40,27 @@ ASSUMED_ADAM_STATE_FACTOR = 2.0
 ACCUMULATION_FIXED_SHARE: dict[str | None, float] = {"high": 0.05, "medium": 0.15, "low": 0.3}
 # Time: forward+backward under autocast as a fraction of fp32, with tensor cores for the dtype.
 AMP_TIME_FACTOR = {"high": 0.6, "medium": 0.8, "low": 0.95, None: 0.8}
+# Time: autocast from the device's capabilities (``amp_time_factor``). 16-bit matmuls are assumed to
+# reach this share of the datasheet tensor-core peak (fp32's own time is taken at 100% of its peak, a
+# lower bound, so the 16-bit time is not flattered); the rest of forward+backward (elementwise, norms,
+# casts) runs in this share of its fp32 time. Both assumptions to calibrate.
+AMP_TENSOR_EFFICIENCY = 0.5
+AMP_OTHER_TIME_FACTOR = 0.9
 MIN_CANDIDATE_BYTES = 1024**2  # modules freeing less are not worth a checkpoint wrapper
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("as-is", "8bit", "offload")
+# Padding policies: "as-is" (as profiled), "longest" (trim each batch to its longest sequence: changes
+# no data), "p90"/"p99" (truncate sequences to that length percentile: changes the data, so the planner
+# only offers it as an alternative, labelled).
+PADDINGS = ("as-is", "longest", "p90", "p99")
+PAD_MULTIPLE = 8  # pad_to_multiple_of the planner proposes (tensor cores like multiples of 8)
+# Parameter offload: modules holding at least this share of the parameter bytes are candidates, least
+# forward time per parameter byte first (embeddings, then LM heads); at most this many are tried.
+OFFLOAD_MIN_SHARE = 0.05
+OFFLOAD_MAX_MODULES = 2
+# Allocator: expandable_segments is assumed to keep this share of the measured reserved - allocated gap
+# (segments grow in place instead of leaving gaps). An assumption, labelled in every prediction.
+EXPANDABLE_GAP_KEPT = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,47 @@ class Candidate:
     @property
     def bytes_per_ms(self) -> float:
         return self.free_bytes / max(self.forward_ms, 1e-3)
+
+
+@dataclass(frozen=True)
+class ParamHolder:
+    """A module whose parameters could live on the CPU: what that frees and what moving them costs."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    forward_ms: float | None
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What the data collector measured about padding, for the padding-policy levers.
+
+    ``padded`` is the padded length every token batch had; ``worst_longest`` the longest real sequence
+    of any batch (trimming must plan for it: the long tail, not the mean); ``longest`` every batch's
+    longest real sequence (the mean of these sets the time saving); ``percentiles`` the real lengths'
+    p90/p99 over all sequences."""
+
+    padded: int
+    worst_longest: int
+    longest: tuple[int, ...]
+    percentiles: dict[str, float]
+
+    def length(self, policy: str, longest: int, multiple: int) -> int:
+        """The length one batch is padded to under ``policy`` (never more than as profiled)."""
+        cut = longest
+        if policy in self.percentiles:
+            cut = min(longest, math.ceil(self.percentiles[policy]))
+        if multiple > 1:
+            cut = -(-cut // multiple) * multiple
+        return min(self.padded, max(1, cut))
+
+    def ratio(self, policy: str, multiple: int) -> float:
+        """Padded length of the largest batch under ``policy`` / the profiled padded length."""
+        return self.length(policy, self.worst_longest, multiple) / self.padded
+
+    def mean_ratio(self, policy: str, multiple: int) -> float:
+        return statistics.mean(self.length(policy, n, multiple) for n in self.longest) / self.padded
 
 
 @dataclass
@@ -88,6 +150,14 @@ class Workload:
     bf16_native: bool | None  # of the profiled device
     precision_verdict: str | None
     notes: list[str] = field(default_factory=list)  # measured gaps and assumptions of the calibration
+    padding: Padding | None = None  # None: no token batch with real lengths was measured
+    padding_unavailable: str | None = None  # why the padding levers are unavailable
+    attention_temporaries: int = 0  # peak-ledger temporaries allocated in eager attention code
+    param_holders: list[ParamHolder] = field(default_factory=list)  # offload candidates, best first
+    device_name: str | None = None  # the profiled GPU (for its datasheet peaks)
+    peak_fraction: float | None = None  # measured FLOP/s over the profiled GPU's fp32 datasheet peak
+    scale_window_log2: tuple[int, int] | None = None  # fp16 loss scales that fit the measured gradients
+    suggested_scale_log2: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +168,11 @@ class Config:
     accumulation: int = 1  # micro-batches per step: the micro-batch is the measured batch / accumulation
     precision: str = "fp32"  # "fp32" (as profiled), "bf16" or "fp16" autocast
     optimizer: str = "as-is"  # "as-is", "8bit" (8-bit optimizer state), "offload" (state on the CPU)
+    padding: str = "as-is"  # one of PADDINGS
+    pad_multiple: int = 1  # pad_to_multiple_of with a padding policy
+    offload: tuple[str, ...] = ()  # modules whose parameters (and gradients) live on the CPU
+    attention: str = "as-is"  # "as-is" or "sdpa" (memory-efficient attention instead of eager)
+    allocator: str = "as-is"  # "as-is" or "expandable" (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
 
     def levers(self) -> list[str]:
         out = [f"checkpoint {len(self.checkpoint)} modules"] if self.checkpoint else []
@@ -111,7 +186,39 @@ class Config:
             out.append("8-bit optimizer")
         elif self.optimizer == "offload":
             out.append("optimizer state offloaded to the CPU")
+        return out + self._more_levers()
+
+    def _more_levers(self) -> list[str]:
+        out = []
+        multiple = f", pad_to_multiple_of={self.pad_multiple}" if self.pad_multiple > 1 else ""
+        if self.padding == "longest":
+            out.append(f"pad each batch to its longest sequence{multiple}")
+        elif self.padding != "as-is":
+            out.append(f"truncate sequences to their {self.padding} length{multiple} (changes the data)")
+        if self.offload:
+            out.append(f"parameters of {', '.join(self.offload)} offloaded to the CPU")
+        if self.attention == "sdpa":
+            out.append("memory-efficient attention (SDPA) instead of eager")
+        if self.allocator == "expandable":
+            out.append("allocator expandable_segments")
         return out
+
+    def families(self) -> list[str]:
+        """The lever families this config uses (the nine-grid's priority table orders them)."""
+        found = {
+            "checkpoint": bool(self.checkpoint),
+            "accumulation": self.accumulation > 1,
+            "precision": self.precision != "fp32",
+            "8bit": self.optimizer == "8bit",
+            "offload": self.optimizer == "offload" or bool(self.offload),
+            "padding": self.padding != "as-is",
+            "attention": self.attention != "as-is",
+            "allocator": self.allocator != "as-is",
+        }
+        return [k for k, used in found.items() if used]
+
+    def changes_data(self) -> bool:
+        return self.padding not in ("as-is", "longest")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -119,6 +226,11 @@ class Config:
             "accumulation_steps": self.accumulation,
             "precision": self.precision,
             "optimizer": self.optimizer,
+            "padding": self.padding,
+            "pad_to_multiple_of": self.pad_multiple if self.pad_multiple > 1 else None,
+            "offload_parameters": list(self.offload),
+            "attention": self.attention,
+            "allocator": self.allocator,
         }
 
 
@@ -134,6 +246,7 @@ class Prediction:
     time_ratio: float | None  # predicted / measured step time; None when the step time is unknown
     time_parts: dict[str, float | None]
     assumptions: list[str]
+    time_basis: dict[str, str] = field(default_factory=dict)  # per time part: what its figure rests on
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +257,7 @@ class Prediction:
             "predicted_step_time_ratio": _round(self.time_ratio),
             "predicted_extra_ms": _round(self.extra_ms),
             "time_parts": {k: _round(v) for k, v in self.time_parts.items()},
+            "time_basis": dict(self.time_basis),
             "assumptions": list(self.assumptions),
         }
 
@@ -168,6 +282,7 @@ def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     temporaries = _temporaries(summary, rest, notes)
     complete = not summary.get("peak_from_incomplete_step")
     cands = candidates(trace, rows)
+    pad, pad_why = padding_facts(trace, summary)
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, rows, notes)
@@ -194,7 +309,93 @@ def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         bf16_native=(summary.get("device") or {}).get("bf16_native"),
         precision_verdict=(summary.get("precision") or {}).get("verdict"),
         notes=notes,
+        padding=pad,
+        padding_unavailable=pad_why,
+        attention_temporaries=attention_temporaries(summary, temporaries),
+        param_holders=param_holders(rows),
+        device_name=_device_name(summary),
+        peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
+        scale_window_log2=_window(summary),
+        suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
     )
+
+
+def padding_facts(trace: Trace, summary: dict[str, Any]) -> tuple[Padding | None, str | None]:
+    """The padding levers' measurements, or None with the reason they are unavailable. Every step's
+    batches count (warm-up too): the longest batch seen is what a trimmed plan must hold."""
+    padded, longest = set(), []
+    for step in trace.steps:
+        data = step.collectors.get("data")
+        batches = data.get("batches") if isinstance(data, dict) else None
+        for b in batches if isinstance(batches, list) else []:
+            length = _padded_length(b) if isinstance(b, dict) else None
+            lengths = b.get("lengths") if length else None
+            real = [n for n in lengths if _count(n)] if isinstance(lengths, list) else []
+            if length and real:
+                padded.add(length)
+                longest.append(max(real))
+    if not longest:
+        return None, "no token batch with real lengths was measured (profile with the data collector)"
+    if len(padded) > 1:
+        return None, f"batches are already padded to different lengths ({len(padded)} seen): trimmed"
+    if min(longest) >= max(padded):
+        return None, "every measured batch's longest sequence fills its padded length: nothing to trim"
+    pct = ((summary.get("data") or {}).get("lengths")) or {}
+    found = {k: float(pct[k]) for k in ("p90", "p99") if isinstance(pct.get(k), (int, float))}
+    return Padding(padded.pop(), max(longest), tuple(longest), found), None
+
+
+def _padded_length(batch: dict[str, Any]) -> int | None:
+    """The padded length of a token batch: the second dimension of its batch x length matrix (a trace
+    is untrusted input: anything of the wrong type is skipped)."""
+    tokens, shapes = batch.get("tokens"), batch.get("shapes")
+    if not _count(tokens) or not isinstance(shapes, dict):
+        return None
+    for shape in shapes.values():
+        matrix = isinstance(shape, list) and len(shape) == 2 and all(_count(d) for d in shape)
+        if matrix and shape[0] * shape[1] == tokens:
+            return int(shape[1])
+    return None
+
+
+def _count(x: Any) -> bool:
+    """A positive whole number (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def attention_temporaries(summary: dict[str, Any], temporaries: int) -> int:
+    """The peak ledger's temporaries allocated in attention code (eager attention's seq x seq scores)."""
+    led = summary.get("peak_ledger") or {}
+    found = sum(
+        int(b)
+        for s, b in led.get("temporaries_by_site") or []
+        if ATTENTION_SITE.search(str(s)) and isinstance(b, (int, float))
+    )
+    return min(found, temporaries)
+
+
+def param_holders(rows: list[dict[str, Any]]) -> list[ParamHolder]:
+    """Modules holding at least ``OFFLOAD_MIN_SHARE`` of the parameter bytes, least forward time per
+    parameter byte first: embeddings (a lookup) before LM heads (a matmul)."""
+    total = sum(r["param_bytes"] or 0 for r in rows)
+    big = [r for r in rows if total and (r["param_bytes"] or 0) >= OFFLOAD_MIN_SHARE * total]
+    big.sort(key=lambda r: ((r["forward_ms"] or 0.0) / r["param_bytes"], r["index"]))
+    return [
+        ParamHolder(
+            r["name"], int(r["param_bytes"]), int(r["grad_bytes"] or r["param_bytes"]), r["forward_ms"]
+        )
+        for r in big[:OFFLOAD_MAX_MODULES]
+    ]
+
+
+def _device_name(summary: dict[str, Any]) -> str | None:
+    device = summary.get("device") or {}
+    return device.get("name") if device.get("kind") == "cuda" else None
+
+
+def _window(summary: dict[str, Any]) -> tuple[int, int] | None:
+    window = (summary.get("precision") or {}).get("scale_window_log2")
+    return (int(window[0]), int(window[1])) if isinstance(window, list) and len(window) == 2 else None
 
 
 def _state(rows: list[dict[str, Any]], params: int, notes: list[str]) -> tuple[int, int]:
@@ -325,32 +526,61 @@ def candidates(trace: Trace, rows: list[dict[str, Any]]) -> list[Candidate]:
 
 
 def predict(
-    w: Workload, config: Config, *, bf16: bool | None = None, offload_bytes_per_s: float | None = None
+    w: Workload,
+    config: Config,
+    *,
+    bf16: bool | None = None,
+    offload_bytes_per_s: float | None = None,
+    card_name: str | None = None,
 ) -> Prediction:
     """The peak and time of ``config``. ``bf16``: whether the target card has native bf16 (default: the
-    profiled device's); ``offload_bytes_per_s``: the target's host link (default: the measured one)."""
+    profiled device's); ``offload_bytes_per_s``: the target's host link (default: the measured one);
+    ``card_name``: the target card, for its datasheet 16-bit speed-up (default: the profiled GPU)."""
     assumptions = list(w.notes)
     chosen = _outermost([c for c in w.candidates if c.name in set(config.checkpoint)])
     parts = memory_parts(w, config, chosen, assumptions)
     allocated = sum(parts.values())
-    floor = w.parameters + w.gradients + parts["optimizer_state"] + w.fixed
+    floor = parts["parameters"] + parts["gradients"] + parts["optimizer_state"] + w.fixed
     if config != Config():
         assumptions.append(
             "gradients counted in full alongside the remaining activations (they are, from the second "
             "micro-batch on; with checkpointing alone this is an upper bound)"
         )
         allocated = max(allocated, floor)
-    if w.reserved_ratio > 1.0:
-        assumptions.append(
-            f"reserved memory = allocated x {w.reserved_ratio:.3f}, the measured ratio at the peak"
+    ratio = reserved_ratio(w, config)
+    if ratio > 1.0:
+        assumptions.append(f"reserved memory = allocated x {ratio:.3f}, the measured ratio at the peak")
+    if config.allocator == "expandable" and w.reserved_ratio > 1.0:
+        assumptions[-1] = (
+            f"expandable_segments assumed to keep {EXPANDABLE_GAP_KEPT:.0%} of the measured reserved - "
+            f"allocated gap: reserved = allocated x {ratio:.3f} instead of the measured "
+            f"{w.reserved_ratio:.3f} (an assumption)"
         )
-    time_parts = time_model(w, config, chosen, bf16, offload_bytes_per_s, assumptions)
+    basis: dict[str, str] = {}
+    time_parts = time_model(
+        w, config, chosen, _Link(bf16, offload_bytes_per_s, card_name), assumptions, basis
+    )
     known = [v for v in time_parts.values() if v is not None]
     extra = None if len(known) < len(time_parts) else sum(known)
-    ratio = (w.step_ms + extra) / w.step_ms if extra is not None and w.step_ms else None
+    step_ratio = (w.step_ms + extra) / w.step_ms if extra is not None and w.step_ms else None
     return Prediction(
-        config, allocated, int(allocated * w.reserved_ratio), parts, extra, ratio, time_parts, assumptions
+        config,
+        allocated,
+        int(allocated * ratio),
+        parts,
+        extra,
+        step_ratio,
+        time_parts,
+        assumptions,
+        basis,
     )
+
+
+def reserved_ratio(w: Workload, config: Config) -> float:
+    """Reserved / allocated: as measured, or shrunk toward 1 by expandable segments (an assumption)."""
+    if config.allocator != "expandable":
+        return w.reserved_ratio
+    return 1.0 + (w.reserved_ratio - 1.0) * EXPANDABLE_GAP_KEPT
 
 
 def _outermost(chosen: list[Candidate]) -> list[Candidate]:
@@ -375,26 +605,28 @@ def memory_parts(
     scale = 1.0 / config.accumulation
     if config.accumulation > 1:
         assumptions.append("activations and temporaries scale linearly with the micro-batch size")
-    amp = activation_scale(w, config) / scale
+    seq = padding_scale(w, config, assumptions)
+    amp = activation_scale(w, config) / scale / seq
     if config.precision != "fp32":
         assumptions.append(
             f"autocast stores {100 * w.amp_share:.0f}% of the activations (matmul-type modules) in 16 bits; "
             "the script is assumed to run in fp32 now; fp32 master weights and optimizer state stay"
         )
-    acts = w.activations * scale * amp
-    freed = sum(c.free_bytes for c in chosen) * scale * amp
-    recompute = max((c.free_bytes for c in chosen), default=0) * scale * amp
+    acts = w.activations * scale * amp * seq
+    freed = sum(c.free_bytes for c in chosen) * scale * amp * seq
+    recompute = max((c.free_bytes for c in chosen), default=0) * scale * amp * seq
     if chosen:
         assumptions.append(
             "checkpointing frees each chosen module's measured checkpoint_free_bytes (its inputs stay); "
             "the largest block's activations come back while it is recomputed in backward"
         )
+    params, grads = offloaded_state(w, config, assumptions)
     return {
-        "parameters": w.parameters,
-        "gradients": w.gradients,
+        "parameters": params,
+        "gradients": grads,
         "optimizer_state": optimizer_bytes(w, config, assumptions),
         "activations": int(max(0.0, acts - freed) + recompute),
-        "temporaries": int(w.temporaries * scale),
+        "temporaries": int(_temporaries_left(w, config, assumptions) * scale * seq),
         "fixed": w.fixed,
         "autocast_weight_cache": int(w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR)
         if config.precision != "fp32"
@@ -403,9 +635,51 @@ def memory_parts(
 
 
 def activation_scale(w: Workload, config: Config) -> float:
-    """What the micro-batch and autocast multiply the measured activations by."""
+    """What the micro-batch, the padding policy and autocast multiply the measured activations by."""
     amp = 1.0 - w.amp_share * (1.0 - AMP_ACTIVATION_FACTOR) if config.precision != "fp32" else 1.0
-    return amp / config.accumulation
+    return amp * padding_scale(w, config) / config.accumulation
+
+
+def padding_scale(w: Workload, config: Config, assumptions: list[str] | None = None) -> float:
+    """Padded length of the largest measured batch under the policy / as profiled (1: unchanged)."""
+    if config.padding == "as-is" or w.padding is None:
+        return 1.0
+    ratio = w.padding.ratio(config.padding, config.pad_multiple)
+    if assumptions is not None:
+        assumptions.append(
+            f"padding policy {config.padding}: the largest measured batch would be padded to "
+            f"{w.padding.length(config.padding, w.padding.worst_longest, config.pad_multiple)} of "
+            f"{w.padding.padded} positions; activations and temporaries scale linearly with the length "
+            "(attention scores shrink with its square: an upper bound)"
+        )
+    return ratio
+
+
+def _temporaries_left(w: Workload, config: Config, assumptions: list[str]) -> int:
+    if config.attention != "sdpa" or not w.attention_temporaries:
+        return w.temporaries
+    assumptions.append(
+        f"memory-efficient attention removes the {w.attention_temporaries} bytes of peak temporaries "
+        "measured in eager attention code (seq x seq scores); the probabilities it saves for backward "
+        "are kept (an upper bound)"
+    )
+    return w.temporaries - w.attention_temporaries
+
+
+def offloaded_state(w: Workload, config: Config, assumptions: list[str]) -> tuple[int, int]:
+    """Parameters and gradients left on the GPU when the chosen modules' parameters live on the CPU."""
+    held = [h for h in w.param_holders if h.name in set(config.offload)]
+    if not held:
+        return w.parameters, w.gradients
+    largest = max(h.param_bytes for h in held)
+    assumptions.append(
+        "offloaded parameters are copied in while their module runs: the largest one's "
+        f"({largest} bytes) is counted at the peak (an upper bound for an input embedding); their "
+        "gradients move to the CPU as they are produced; their optimizer state stays unless the "
+        "optimizer is offloaded too"
+    )
+    params = w.parameters - sum(h.param_bytes for h in held) + largest
+    return max(0, params), max(0, w.gradients - sum(h.grad_bytes for h in held))
 
 
 def optimizer_bytes(w: Workload, config: Config, assumptions: list[str]) -> int:
@@ -418,33 +692,93 @@ def optimizer_bytes(w: Workload, config: Config, assumptions: list[str]) -> int:
     return w.optimizer_state
 
 
+# ----------------------------------------------------------------------------------------- time
+
+
+@dataclass(frozen=True)
+class _Link:
+    """What the time model needs of the target: native bf16, host-link rate, card name."""
+
+    bf16: bool | None
+    rate: float | None
+    card: str | None
+
+
 def time_model(
     w: Workload,
     config: Config,
     chosen: list[Candidate],
-    bf16: bool | None,
-    offload_rate: float | None,
+    target: _Link,
     assumptions: list[str],
+    basis: dict[str, str],
 ) -> dict[str, float | None]:
-    """Milliseconds each lever adds to the measured step (None: not known from this trace)."""
+    """Milliseconds each lever adds to the measured step (None: not known from this trace); ``basis``
+    gets, per part, what its figure rests on (measured, datasheet or an assumption)."""
     out: dict[str, float | None] = {}
     if chosen:
         out["recompute"] = sum(c.forward_ms for c in chosen)
+        basis["recompute"] = "measured: the forward time of each checkpointed module"
         assumptions.append("recomputation costs the measured forward time of each checkpointed module")
     if config.accumulation > 1:
         out["accumulation"] = _accumulation_ms(w, config, assumptions)
+        basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
     if config.precision != "fp32":
-        out["autocast"] = _amp_ms(w, config, bf16, assumptions)
+        out["autocast"] = _amp_ms(w, config, target, assumptions, basis)
     if config.optimizer == "offload":
-        rate = offload_rate or w.offload_bytes_per_s
-        moved = w.gradients + w.parameters
-        out["offload"] = None if not rate else 1e3 * moved / rate
+        out["offload"] = _transfer_ms(w, w.gradients + w.parameters, target, basis, "offload")
         assumptions.append(
             "offload moves every gradient to the CPU and every parameter back each step; the CPU "
             "optimizer's own time is not modelled"
-            + ("" if rate else "; no host-link bandwidth known, so its cost is unknown")
+            + ("" if out["offload"] is not None else "; no host-link bandwidth known, so its cost is unknown")
         )
+    _more_time(w, config, target, assumptions, basis, out)
     return out
+
+
+def _more_time(
+    w: Workload,
+    config: Config,
+    target: _Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+    out: dict[str, float | None],
+) -> None:
+    """The time of the padding, parameter-offload, attention and allocator levers."""
+    if config.padding != "as-is" and w.padding is not None:
+        mean = w.padding.mean_ratio(config.padding, config.pad_multiple)
+        out["padding"] = (mean - 1.0) * w.fwd_bwd_ms if w.fwd_bwd_ms else 0.0
+        basis["padding"] = (
+            f"measured lengths: the mean batch would be {mean:.0%} as long; forward+backward time assumed "
+            "linear in the length" + ("" if w.fwd_bwd_ms else "; no phase times, counted as 0")
+        )
+    held = [h for h in w.param_holders if h.name in set(config.offload)]
+    if held:
+        moved = sum(2 * h.param_bytes + h.grad_bytes for h in held) * config.accumulation
+        out["parameter_offload"] = _transfer_ms(w, moved, target, basis, "parameter_offload")
+        assumptions.append(
+            "offloaded parameters cross the host link twice per micro-batch (forward and backward) and "
+            "their gradients once, not overlapped with compute (an upper bound)"
+        )
+    if config.attention == "sdpa":
+        out["attention"] = 0.0
+        basis["attention"] = "assumption: SDPA is no slower than eager attention (often faster; not counted)"
+    if config.allocator == "expandable":
+        out["allocator"] = 0.0
+        basis["allocator"] = "assumption: expandable segments cost no time"
+
+
+def _transfer_ms(w: Workload, nbytes: float, target: _Link, basis: dict[str, str], part: str) -> float | None:
+    rate = target.rate or w.offload_bytes_per_s
+    if not rate:
+        basis[part] = "unknown: no host-link bandwidth measured and no card named"
+        return None
+    measured = target.rate is None or target.rate == w.offload_bytes_per_s
+    basis[part] = (
+        f"measured pinned host<->device bandwidth ({rate / 1e9:.1f} GB/s)"
+        if measured
+        else f"the target card's PCIe datasheet rate x efficiency ({rate / 1e9:.1f} GB/s)"
+    )
+    return 1e3 * nbytes / rate
 
 
 def _accumulation_ms(w: Workload, config: Config, assumptions: list[str]) -> float | None:
@@ -462,16 +796,48 @@ def _accumulation_ms(w: Workload, config: Config, assumptions: list[str]) -> flo
     return w.fwd_bwd_ms * share * (config.accumulation - 1)
 
 
-def _amp_ms(w: Workload, config: Config, bf16: bool | None, assumptions: list[str]) -> float | None:
-    native = w.bf16_native if bf16 is None else bf16
+def _amp_ms(
+    w: Workload, config: Config, target: _Link, assumptions: list[str], basis: dict[str, str]
+) -> float | None:
+    native = w.bf16_native if target.bf16 is None else target.bf16
     if w.fwd_bwd_ms is None:
+        basis["autocast"] = "unknown: no forward/backward time measured"
         return None
     if config.precision == "bf16" and not native:
         assumptions.append("bf16 without native support runs no faster (emulated); counted as no change")
+        basis["autocast"] = "device capability: no native bf16, no speed-up"
         return 0.0
-    factor = AMP_TIME_FACTOR[w.compute_class]
-    assumptions.append(f"autocast runs forward+backward in {factor:.0%} of the fp32 time (an assumption)")
+    factor, why = amp_time_factor(w, config.precision, target.card)
+    basis["autocast"] = why
+    assumptions.append(f"autocast runs forward+backward in {factor:.0%} of the fp32 time ({why})")
     return w.fwd_bwd_ms * (factor - 1.0)
+
+
+def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tuple[float, str]:
+    """Forward+backward time under autocast as a fraction of fp32's, and what it rests on.
+
+    From the device's capabilities where the trace measured them: the share of forward+backward the
+    measured FLOPs need at the profiled GPU's fp32 datasheet peak (``peak_fraction``) is the matmul
+    time; it shrinks by the datasheet 16-bit / fp32 peak ratio of the target card (else the profiled
+    GPU), at ``AMP_TENSOR_EFFICIENCY`` of the 16-bit peak; the rest runs in ``AMP_OTHER_TIME_FACTOR``
+    of its time. Without a FLOP count or a known device: the flat factor by compute class."""
+    from memdoctor.analysis.compute import device_peaks  # the datasheet table lives with the roofline
+
+    found = device_peaks(card or w.device_name)
+    dtype = "bfloat16" if precision == "bf16" else "float16"
+    if found and dtype in found[1] and w.peak_fraction and w.fwd_bwd_ms and w.step_ms:
+        key, peaks = found
+        share = min(1.0, w.peak_fraction * w.step_ms / w.fwd_bwd_ms)
+        speedup = peaks[dtype] / peaks["float32"] * AMP_TENSOR_EFFICIENCY
+        factor = min(1.0, share / max(speedup, 1.0) + (1.0 - share) * AMP_OTHER_TIME_FACTOR)
+        return factor, (
+            f"device capabilities: {key} datasheet {dtype} {peaks[dtype] / 1e12:.0f} vs fp32 "
+            f"{peaks['float32'] / 1e12:.0f} TFLOP/s at {AMP_TENSOR_EFFICIENCY:.0%} efficiency, matmul share "
+            f"{share:.0%} of forward+backward from the measured FLOP rate; the rest x{AMP_OTHER_TIME_FACTOR}"
+        )
+    factor = AMP_TIME_FACTOR[w.compute_class]
+    why = "compute class " + (w.compute_class or "not measured")
+    return factor, f"flat factor by {why} (no FLOP count or no datasheet peaks for the device)"
 
 
 def _round(x: float | None) -> float | None:

@@ -8,6 +8,10 @@
 * data traits: the ``data`` section's traits level (how much the batches' shapes pad or vary).
 
 An axis that the trace did not measure is ``null`` with the reason.
+
+The cell drives the order of the levers (``lever_priority``, the table in ``docs/planner.md``): the
+rules' findings are listed in that order, and the planner breaks ties between configs as fast and as
+simple as each other by it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from memdoctor.plan.model import Workload
 
 STATE_LOW = 0.25
 STATE_HIGH = 0.60
+AXES = {"compute": "compute intensity", "parameter_scale": "parameter scale", "data": "data traits"}
+# Lever families, as ``memdoctor.plan.model.Config.families`` names them.
+ACTIVATION_FIRST = ("checkpoint", "offload", "8bit")  # activations dominate: recompute them first
+STATE_FIRST = ("8bit", "offload", "checkpoint")  # model state dominates: shrink or move it first
+THEN = ("padding", "accumulation", "attention", "allocator", "precision")  # numerics last
 
 
 def ninegrid(summary: dict[str, Any], w: Workload | None, budget_bytes: int | None) -> dict[str, Any]:
@@ -27,6 +36,46 @@ def ninegrid(summary: dict[str, Any], w: Workload | None, budget_bytes: int | No
         "parameter_scale": parameter_axis(w, budget_bytes),
         "data": data_axis(summary),
     }
+
+
+def lever_priority(grid: dict[str, Any] | None) -> list[str]:
+    """The lever families in the order the cell ranks them (``docs/planner.md``, "Rule priority"):
+
+    * heavy padding (data traits high): trimming padding first: it is pure waste, and removing it
+      saves memory and time without changing the numerics;
+    * parameter scale high, or compute intensity low (few FLOPs per byte: a small batch against many
+      parameters): model state dominates, so the 8-bit optimizer and offload come before checkpointing;
+    * otherwise (compute intensity high or medium, or not measured): activations dominate, so
+      checkpointing comes first, then offload (the story's order);
+    * then padding, smaller micro-batches, memory-efficient attention, the allocator, and mixed
+      precision last (it changes the numerics)."""
+    grid = grid or {}
+
+    def level(axis: str) -> str | None:
+        return (grid.get(axis) or {}).get("level")
+
+    first = ["padding"] if level("data") == "high" else []
+    state = level("parameter_scale") == "high" or level("compute") == "low"
+    order = first + list(STATE_FIRST if state else ACTIVATION_FIRST) + list(THEN)
+    return list(dict.fromkeys(order))
+
+
+def priority_evidence(grid: dict[str, Any] | None) -> str:
+    """One sentence: why the cell puts the levers in ``lever_priority``'s order."""
+    grid = grid or {}
+    levels = {a: (grid.get(a) or {}).get("level") or "not measured" for a in AXES}
+    cell = ", ".join(f"{AXES[a]} {levels[a]}" for a in AXES)
+    why = ["heavy padding: trim it first"] if levels["data"] == "high" else []
+    if levels["parameter_scale"] == "high" or levels["compute"] == "low":
+        why.append("model state dominates: shrink or move it before checkpointing")
+    else:
+        why.append("activations dominate: checkpoint first")
+    return f"{cell}: " + "; ".join(why) + "; mixed precision last"
+
+
+def priority(grid: dict[str, Any] | None) -> dict[str, Any]:
+    """summary.json's ``lever_priority``: ``{order, evidence}`` for the cell."""
+    return {"order": lever_priority(grid), "evidence": priority_evidence(grid)}
 
 
 def compute_axis(summary: dict[str, Any]) -> dict[str, Any]:

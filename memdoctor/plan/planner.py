@@ -3,30 +3,52 @@
 Search, in two tiers, following the story's decision order (memory levers first, numerics last):
 
 1. levers that keep the numerics: activation checkpointing, micro-batch with gradient accumulation,
-   optimizer state offload;
+   optimizer state offload, and (where the trace measured what they act on) trimming padding to the
+   longest sequence, memory-efficient attention, expandable segments, parameter offload;
 2. only when tier 1 finds nothing: also autocast (bf16 where the card has it, fp16 only where the
    trace's precision verdict says fp16 is safe) and an 8-bit optimizer.
 
 For every combination of the non-checkpoint levers, ``choose_checkpoints`` picks *which* modules to
 checkpoint: greedily by measured bytes freed per millisecond of recomputation, never a module nested in
 another chosen one, then drops any choice the budget does not need. The story's "every N-th layer" rule
-is ``every_n_baseline``, kept to compare against.
+is ``every_n_baseline``, and its whole decision order ``story_baseline``, kept to compare against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from memdoctor.analysis.summary import repeated_blocks
 from memdoctor.plan.cards import CARDS, Card
-from memdoctor.plan.model import Candidate, Config, Prediction, Workload, activation_scale, predict
+from memdoctor.plan.model import (
+    PAD_MULTIPLE,
+    Candidate,
+    Config,
+    Prediction,
+    Workload,
+    activation_scale,
+    predict,
+    reserved_ratio,
+)
+from memdoctor.plan.ninegrid import lever_priority
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
 SAFETY_MARGIN = 0.10  # a plan must leave this share of the budget free
 ACCUMULATIONS = (1, 2, 4, 8)
+# GradScaler growth_interval: torch's default where the measured window of loss scales is wide; a
+# shorter one (the story's 500) where it is narrow, so that after a back-off (the scale halves on an
+# overflow) the scale climbs back out of the underflow side sooner. A heuristic, labelled.
+NARROW_SCALE_WINDOW_LOG2 = 4
+GROWTH_INTERVAL_WIDE = 2000
+GROWTH_INTERVAL_NARROW = 500
+# The lever order where no nine-grid cell is known (the story's: checkpointing or offload, then
+# dynamic batching, then mixed precision); ``make_plan`` takes the cell's order.
+DEFAULT_PRIORITY = tuple(lever_priority(None))
 
 
 @dataclass
@@ -47,6 +69,9 @@ class Target:
     def link(self, w: Workload) -> float | None:
         return self.card.pcie_bytes_per_s if self.card else w.offload_bytes_per_s
 
+    def card_name(self) -> str | None:
+        return self.card.name if self.card else None
+
 
 @dataclass
 class Plan:
@@ -60,6 +85,7 @@ class Plan:
     measured_peak_bytes: int = 0
     advice: list[str] = field(default_factory=list)
     reason: str | None = None  # why no plan could be made at all
+    grad_scaler: dict[str, Any] | None = None  # for an fp16 plan: settings from the measured ranges
 
     @property
     def fits(self) -> bool:
@@ -84,6 +110,7 @@ class Plan:
             "prediction": pick.as_dict(),
             "advice": list(self.advice),
             "reason": self.reason,
+            "grad_scaler": self.grad_scaler if pick.config.precision == "fp16" else None,
         }
 
 
@@ -94,47 +121,106 @@ def fits(p: Prediction, target: Target) -> bool:
 # ----------------------------------------------------------------------------------------- search
 
 
-def make_plan(w: Workload, target: Target) -> Plan:
-    """The least-slowdown config that fits ``target``; the closest one and advice when none does."""
+def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None) -> Plan:
+    """The least-slowdown config that fits ``target``; the closest one and advice when none does.
+    ``priority``: the lever families in the order the workload's nine-grid cell ranks them (ties in
+    predicted time go to the config whose levers rank first; ``DEFAULT_PRIORITY`` without a cell)."""
     base = _predict(w, Config(), target)
     if fits(base, target):
         return Plan(target, base, base, base, True, w.peak_bytes)
+    order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
     for tier in (_tier_one(w), _tier_two(w, target)):
         found = [p for p in (_with_checkpoints(w, c, target) for c in tier) if p is not None]
         tried += found
         fitting = [p for p in found if fits(p, target)]
         if fitting:
-            best = min(fitting, key=_cost)
-            return Plan(target, base, best, best, False, w.peak_bytes, _caveats(w, best))
+            best = min(fitting, key=lambda p: _cost(p, order))
+            return Plan(
+                target, base, best, best, False, w.peak_bytes, _caveats(w, best), grad_scaler=grad_scaler(w)
+            )
     closest = min(tried or [base], key=lambda p: p.reserved_bytes)
-    return Plan(target, base, None, closest, False, w.peak_bytes, what_would_fit(w, target, closest))
+    advice = what_would_fit(w, target, closest)
+    return Plan(target, base, None, closest, False, w.peak_bytes, advice, grad_scaler=grad_scaler(w))
 
 
 def _predict(w: Workload, config: Config, target: Target) -> Prediction:
-    return predict(w, config, bf16=target.bf16(w), offload_bytes_per_s=target.link(w))
+    return predict(
+        w, config, bf16=target.bf16(w), offload_bytes_per_s=target.link(w), card_name=target.card_name()
+    )
 
 
-def _cost(p: Prediction) -> tuple[float, int]:
-    """Rank: the predicted extra time (unknown costs count as large), then the number of levers."""
+def _cost(p: Prediction, order: Sequence[str] = DEFAULT_PRIORITY) -> tuple[float, int, tuple[int, ...]]:
+    """Rank: the predicted extra time (unknown costs count as large), then the number of levers, then
+    the lever families by the nine-grid cell's priority (of two configs as fast and as simple, the one
+    whose best-ranked lever comes first in ``order`` wins)."""
     extra = p.extra_ms if p.extra_ms is not None else float("inf")
     if p.extra_ms is None:  # rank by the part that is known, after every fully known config
         extra = 1e9 + sum(v for v in p.time_parts.values() if v is not None)
-    return (extra, len(p.config.levers()))
+    ranks = tuple(sorted(_rank(f, order) for f in p.config.families()))
+    return (round(extra, 6), len(p.config.levers()), ranks)
+
+
+def _rank(family: str, order: Sequence[str]) -> int:
+    return order.index(family) if family in order else len(order)
+
+
+def _free_levers(w: Workload) -> list[dict[str, Any]]:
+    """Combinations of the levers that keep the numerics and the data and cost no time (or save some):
+    trimming padding to the longest sequence (only where that lowers the peak: the longest batch seen
+    is shorter than the padded length; a time-only saving is the ``dynamic_padding`` finding's),
+    memory-efficient attention, expandable segments, and parameter offload of the largest, least
+    compute-heavy holders; each only where the trace measured what it acts on."""
+    trims = w.padding is not None and w.padding.ratio("longest", PAD_MULTIPLE) < 1.0
+    paddings = [("as-is", 1)] + ([("longest", PAD_MULTIPLE)] if trims else [])
+    attention = ["as-is"] + (["sdpa"] if w.attention_temporaries > 0 else [])
+    allocator = ["as-is"] + (["expandable"] if w.reserved_ratio > 1.0 else [])
+    names = [h.name for h in w.param_holders]
+    offload = [tuple(names[:k]) for k in range(len(names) + 1)]
+    return [
+        {"padding": p, "pad_multiple": m, "attention": a, "allocator": al, "offload": o}
+        for (p, m), a, al, o in itertools.product(paddings, attention, allocator, offload)
+    ]
 
 
 def _tier_one(w: Workload) -> list[Config]:
-    return [Config(accumulation=a, optimizer=o) for a in _accumulations(w) for o in ("as-is", "offload")]
+    return [
+        Config(accumulation=a, optimizer=o, **extra)
+        for a in _accumulations(w)
+        for o in ("as-is", "offload")
+        for extra in _free_levers(w)
+    ]
 
 
 def _tier_two(w: Workload, target: Target) -> list[Config]:
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
     if w.precision_verdict == "fp16_safe" and not target.bf16(w):
         precisions.append("fp16")
-    combos = itertools.product(_accumulations(w), precisions, ("as-is", "8bit", "offload"))
+    combos = itertools.product(_accumulations(w), precisions, ("as-is", "8bit", "offload"), _free_levers(w))
     return [
-        Config(accumulation=a, precision=p, optimizer=o) for a, p, o in combos if p != "fp32" or o == "8bit"
+        Config(accumulation=a, precision=p, optimizer=o, **extra)
+        for a, p, o, extra in combos
+        if p != "fp32" or o == "8bit"
     ]
+
+
+def grad_scaler(w: Workload) -> dict[str, Any] | None:
+    """GradScaler settings for an fp16 plan from the precision section's measured scale window:
+    ``init_scale`` = 2**(its suggested log2 scale), ``growth_interval`` by the window's width (see
+    ``NARROW_SCALE_WINDOW_LOG2``); None when the gradient ranges were not measured."""
+    if w.scale_window_log2 is None or w.suggested_scale_log2 is None:
+        return None
+    (lo, hi), init = w.scale_window_log2, w.suggested_scale_log2
+    narrow = hi - lo < NARROW_SCALE_WINDOW_LOG2
+    interval = GROWTH_INTERVAL_NARROW if narrow else GROWTH_INTERVAL_WIDE
+    return {
+        "init_scale": float(2**init),
+        "growth_interval": interval,
+        "basis": (
+            f"measured gradient ranges fit loss scales 2^{lo} to 2^{hi}: init_scale 2^{init}; a "
+            f"{'narrow' if narrow else 'wide'} window, so growth_interval {interval} (a heuristic)"
+        ),
+    }
 
 
 def _accumulations(w: Workload) -> list[int]:
@@ -154,7 +240,7 @@ def _with_checkpoints(w: Workload, config: Config, target: Target) -> Prediction
 
 
 def _checkpointed(config: Config, chosen: list[Candidate]) -> Config:
-    return Config(tuple(c.name for c in chosen), config.accumulation, config.precision, config.optimizer)
+    return dataclasses.replace(config, checkpoint=tuple(c.name for c in chosen))
 
 
 def choose_checkpoints(w: Workload, config: Config, target: Target) -> list[Candidate]:
@@ -170,9 +256,11 @@ def choose_checkpoints(w: Workload, config: Config, target: Target) -> list[Cand
         return []
     best: list[Candidate] = []
     for cap in sorted({c.free_bytes for c in w.candidates}):
-        picked = _greedy([c for c in w.candidates if c.free_bytes <= cap], need)
-        if picked and (not best or _ms(picked) < _ms(best)):
-            best = picked
+        pool = [c for c in w.candidates if c.free_bytes <= cap]
+        for order in GREEDY_ORDERS:
+            picked = _greedy(pool, need, order)
+            if picked and (not best or _ms(picked) < _ms(best)):
+                best = picked
     if best and not fits(_predict(w, _checkpointed(config, best), target), target):
         return []  # the linear estimate was off by rounding: say nothing fits rather than guess
     return best
@@ -182,10 +270,12 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     """Net activation bytes (as measured, before micro-batch and autocast scaling) that checkpointing
     must free for ``config`` to fit; None when even no activations at all would not fit."""
     p0 = _predict(w, config, target)
-    # checkpointed configs count every gradient (``predict``), the unchanged one only those at the peak
-    rest = sum(p0.breakdown.values()) - p0.breakdown["activations"] - p0.breakdown["gradients"] + w.gradients
-    floor = w.parameters + w.gradients + p0.breakdown["optimizer_state"] + w.fixed
-    allowed = target.limit_bytes / w.reserved_ratio
+    parts = dict(p0.breakdown)
+    if config == Config():  # checkpointed configs count every gradient (``predict``), this one not
+        parts["gradients"] = w.gradients
+    rest = sum(parts.values()) - parts["activations"]
+    floor = parts["parameters"] + parts["gradients"] + parts["optimizer_state"] + w.fixed
+    allowed = target.limit_bytes / reserved_ratio(w, config)
     room = allowed - rest
     if room <= 0 or floor > allowed:
         return None
@@ -193,10 +283,20 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     return max(0.0, (p0.breakdown["activations"] - room) / scale) + 1.0
 
 
-def _greedy(pool: list[Candidate], need: float) -> list[Candidate]:
+# Greedy orders: by bytes freed per ms of recomputation (cheap sub-blocks first), and by bytes freed
+# (whole blocks first: taking sub-blocks rules out their blocks, which can leave a large need unmet).
+GREEDY_ORDERS: tuple[Callable[[Candidate], float], ...] = (
+    lambda c: -c.bytes_per_ms,
+    lambda c: -c.free_bytes,
+)
+
+
+def _greedy(
+    pool: list[Candidate], need: float, order: Callable[[Candidate], float] = GREEDY_ORDERS[0]
+) -> list[Candidate]:
     chosen: list[Candidate] = []
     taken: set[tuple[int, int]] = set()
-    for c in sorted(pool, key=lambda c: -c.bytes_per_ms):
+    for c in sorted(pool, key=order):
         if c.key in taken or c.ancestors & taken or any(c.key in o.ancestors for o in chosen):
             continue
         chosen.append(c)
@@ -238,6 +338,44 @@ def every_n_baseline(
         if fits(p, target):
             return p
     return None
+
+
+def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | None:
+    """The story's decision order, the baseline the search must beat. Not enough memory: is the step
+    compute-bound (compute class high or medium, or not measured)? Then checkpoint every N-th block
+    (``every_n_baseline``: the largest N that fits) at every later stage too; else offload (the
+    embedding/head parameters and the optimizer state). Then dynamic batching: trim padding to the
+    longest sequence, then halve the micro-batch (gradient accumulation 2, 4, 8). Then mixed
+    precision: bf16 where the card has it, else fp16 where the precision verdict allows. Each stage
+    keeps the levers of the ones before; the first config that fits is returned, None when none does."""
+    base = _predict(w, Config(), target)
+    if fits(base, target):
+        return base
+    checkpointing = w.compute_class != "low"
+    for config in _story_stages(w, target, checkpointing):
+        p = every_n_baseline(trace, w, target, config) if checkpointing else _predict(w, config, target)
+        if p is None and checkpointing and not block_stack(trace, w):
+            p = _predict(w, config, target)  # no repeated blocks to checkpoint
+        if p is not None and fits(p, target):
+            return p
+    return None
+
+
+def _story_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
+    """The cumulative configs of the story's order (checkpoints are chosen per stage by the caller)."""
+    holders = tuple(h.name for h in w.param_holders)
+    config = Config() if checkpointing else Config(optimizer="offload", offload=holders)
+    stages = [config]
+    if w.padding is not None:
+        config = dataclasses.replace(config, padding="longest", pad_multiple=PAD_MULTIPLE)
+        stages.append(config)
+    for a in _accumulations(w)[1:]:
+        config = dataclasses.replace(config, accumulation=a)
+        stages.append(config)
+    precision = "bf16" if target.bf16(w) else "fp16" if w.precision_verdict == "fp16_safe" else None
+    if precision:
+        stages.append(dataclasses.replace(config, precision=precision))
+    return stages
 
 
 def block_stack(trace: Trace, w: Workload) -> list[Candidate]:
@@ -284,6 +422,12 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
     bigger = [c for c in CARDS if c.usable_bytes * (1 - target.margin) >= closest.reserved_bytes]
     if bigger:
         out.append(f"the smallest listed card that holds that config: {bigger[0].name}")
+    truncated = truncation_alternative(w, target)
+    if truncated is not None:
+        out.append(
+            f"an alternative that changes the data: {', '.join(truncated.config.levers())} would fit "
+            f"({format_bytes(truncated.reserved_bytes)} predicted)"
+        )
     out.append(
         "a shorter sequence length shrinks activations at least in proportion "
         "(attention scores with its square)"
@@ -291,11 +435,34 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
     return out
 
 
-def card_table(w: Workload, margin: float = SAFETY_MARGIN) -> list[dict[str, Any]]:
+def truncation_alternative(w: Workload, target: Target) -> Prediction | None:
+    """The fastest fitting config that truncates sequences to a length percentile (p99, else p90) on
+    top of the search's levers: it changes the data, so it is only offered as an alternative, labelled,
+    never as the plan. None without measured lengths or when no percentile fits either."""
+    if w.padding is None:
+        return None
+    for policy in ("p99", "p90"):
+        if policy not in w.padding.percentiles:
+            continue
+        configs = [
+            dataclasses.replace(c, padding=policy, pad_multiple=PAD_MULTIPLE)
+            for c in _tier_one(w) + _tier_two(w, target)
+            if c.padding == "as-is"
+        ]
+        found = [p for p in (_with_checkpoints(w, c, target) for c in configs) if p is not None]
+        fitting = [p for p in found if fits(p, target)]
+        if fitting:
+            return min(fitting, key=_cost)
+    return None
+
+
+def card_table(
+    w: Workload, margin: float = SAFETY_MARGIN, priority: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """ "Which card do I need": for every listed card, fits as-is / fits with a plan / does not fit."""
     rows = []
     for card in CARDS:
-        plan = make_plan(w, Target(card.usable_bytes, card, margin))
+        plan = make_plan(w, Target(card.usable_bytes, card, margin), priority)
         verdict = "fits as-is" if plan.fits_as_is else "fits with plan" if plan.fits else "does not fit"
         pick = plan.chosen or plan.closest
         rows.append(

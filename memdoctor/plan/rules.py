@@ -12,33 +12,34 @@ Each rule's docstring is the explanation a user reads. ``RULES`` is the ordered 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from memdoctor.analysis.summary import peak_step
 from memdoctor.plan.model import (
     AMP_ACTIVATION_FACTOR,
-    AMP_TIME_FACTOR,
     AMP_WEIGHT_CACHE_FACTOR,
+    ATTENTION_SITE,
     Candidate,
     Config,
     Workload,
+    amp_time_factor,
     predict,
 )
-from memdoctor.plan.planner import Target, block_stack, fits
+from memdoctor.plan.ninegrid import lever_priority
+from memdoctor.plan.planner import Target, block_stack, fits, grad_scaler
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
 CHECKPOINT_ACTIVATION_SHARE = 0.3  # activations at least this share of the peak
-ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
 ATTENTION_SHARE = 0.02  # attention temporaries at least this share of the peak
 FRAGMENTATION_BYTES = 256 * 1024**2
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unallocated at least this share of the reserved peak
 STARVATION_WAIT = 0.10  # the loader's wait at least this share of the step
 PADDING_SHARE = 0.15  # padding at least this share of the token positions
 OPTIMIZER_STATE_SHARE = 0.25  # optimizer state at least this share of the budget
+PARAM_OFFLOAD_SHARE = 0.05  # offloadable parameters + gradients at least this share of the budget
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RuleInput:
     summary: dict[str, Any]
     workload: Workload | None
     target: Target | None
+    priority: Sequence[str] | None = None  # lever families in the nine-grid cell's order
 
     def over_budget(self) -> bool:
         if self.workload is None or self.target is None:
@@ -132,7 +134,7 @@ def mixed_precision(x: RuleInput) -> list[Finding]:
     bf16 = x.target.card.bf16 if x.target and x.target.card else prec.get("bf16_available")
     verdict = prec.get("verdict")
     saving = _amp_saving(w)
-    cost = _amp_cost(w)
+    cost = _amp_cost(w, "bf16" if bf16 else "fp16", x.target)
     if bf16:
         evidence = f"the card has native bf16; precision verdict: {prec.get('title')} ({prec.get('reason')})"
         return [finding("mixed_precision", "info", "train in bf16 autocast", evidence, saving, cost)]
@@ -140,7 +142,10 @@ def mixed_precision(x: RuleInput) -> list[Finding]:
         evidence = f"no native bf16 on this card, and fp16 is not safe: {prec.get('reason')}"
         return [finding("mixed_precision", "warning", "do not use fp16 here", evidence, 0, 0.0, "high")]
     scale = prec.get("suggested_init_scale_log2")
+    settings = grad_scaler(w) if w is not None else None
     scaler = f"GradScaler(init_scale=2**{scale})" if scale is not None else "GradScaler()"
+    if settings is not None:
+        scaler = f"GradScaler(init_scale=2**{scale}, growth_interval={settings['growth_interval']})"
     evidence = f"no native bf16; {prec.get('title')}: {prec.get('reason')}; use fp16 autocast with {scaler}"
     return [finding("mixed_precision", "info", "train in fp16 with a GradScaler", evidence, saving, cost)]
 
@@ -152,10 +157,13 @@ def _amp_saving(w: Workload | None) -> int:
     return max(0, int(acts - w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR))
 
 
-def _amp_cost(w: Workload | None) -> float | None:
+def _amp_cost(w: Workload | None, precision: str, target: Target | None) -> float | None:
+    """Autocast's time change from the device's capabilities where measured (``amp_time_factor``)."""
     if w is None or w.fwd_bwd_ms is None:
         return None
-    return _step_fraction(w.fwd_bwd_ms * (AMP_TIME_FACTOR[w.compute_class] - 1), w)
+    card = target.card.name if target is not None and target.card is not None else None
+    factor, _ = amp_time_factor(w, precision, card)
+    return _step_fraction(w.fwd_bwd_ms * (factor - 1), w)
 
 
 def memory_efficient_attention(x: RuleInput) -> list[Finding]:
@@ -246,6 +254,46 @@ def optimizer_state(x: RuleInput) -> list[Finding]:
     ]
 
 
+def parameter_offload(x: RuleInput) -> list[Finding]:
+    """Parameter offload: the largest parameter holders with the least compute per byte (input
+    embeddings, then LM heads) can keep their parameters on the CPU and stream them in while they run
+    (accelerate ``device_map``/``cpu_offload``, DeepSpeed ZeRO-3 ``offload_param``): their gradients
+    leave the GPU, at a PCIe cost every step. Fires when those modules hold at least 5% of the budget."""
+    w, t = x.workload, x.target
+    if w is None or t is None or not w.param_holders:
+        return []
+    held = sum(h.param_bytes + h.grad_bytes for h in w.param_holders)
+    if held < PARAM_OFFLOAD_SHARE * t.budget_bytes:
+        return []
+    names = tuple(h.name for h in w.param_holders)
+    moved = predict(w, Config(offload=names), offload_bytes_per_s=t.link(w))
+    left = moved.breakdown["parameters"] + moved.breakdown["gradients"]
+    saving = w.parameters + w.gradients - left
+    if saving <= 0:
+        return []
+    ms = moved.time_parts.get("parameter_offload")
+    evidence = (
+        f"{', '.join(names)} hold {format_bytes(held)} of parameters and gradients for "
+        f"{sum(h.forward_ms or 0.0 for h in w.param_holders):.1f} ms of forward; moving them costs "
+        + (
+            f"{ms:.1f} ms a step ({moved.time_basis.get('parameter_offload')})"
+            if ms is not None
+            else "an unknown time (no host-link bandwidth)"
+        )
+    )
+    return [
+        finding(
+            "parameter_offload",
+            "info",
+            "offload embedding/head parameters",
+            evidence,
+            saving,
+            _step_fraction(ms, w),
+            "low",
+        )
+    ]
+
+
 def gradient_health(x: RuleInput) -> list[Finding]:
     """Gradient health: NaN/Inf, exploding or vanishing gradients, from the gradient-norm flags."""
     out = []
@@ -258,18 +306,45 @@ def gradient_health(x: RuleInput) -> list[Finding]:
     return out
 
 
+# In the default lever order (``memdoctor.plan.ninegrid.lever_priority(None)``); ``run_rules`` reorders
+# the memory rules by the workload's nine-grid cell.
 RULES: tuple[Callable[[RuleInput], list[Finding]], ...] = (
     checkpointing,
-    memory_efficient_attention,
+    parameter_offload,
     optimizer_state,
     dynamic_padding,
-    mixed_precision,
+    memory_efficient_attention,
     allocator_fragmentation,
+    mixed_precision,
     dataloader_starvation,
     gradient_health,
 )
 
 
+# The lever family each memory rule proposes (``memdoctor.plan.ninegrid.lever_priority`` orders them).
+RULE_FAMILY = {
+    "checkpointing": "checkpoint",
+    "parameter_offload": "offload",
+    "optimizer_state": "8bit",
+    "dynamic_padding": "padding",
+    "memory_efficient_attention": "attention",
+    "allocator_fragmentation": "allocator",
+    "mixed_precision": "precision",
+}
+
+
 def run_rules(x: RuleInput) -> list[Finding]:
-    """Every rule's findings, in ``RULES`` order."""
-    return [f for rule in RULES for f in rule(x)]
+    """Every rule's findings, ordered by the nine-grid cell: critical findings that are not about
+    memory (NaN gradients) first, then the memory rules in the cell's lever order (``x.priority``,
+    the default order without a cell), then the rest in ``RULES`` order."""
+    found = [f for rule in RULES for f in rule(x)]
+    order = list(x.priority or lever_priority(None))
+
+    def key(item: tuple[int, Finding]) -> tuple[int, int, int]:
+        i, f = item
+        family = RULE_FAMILY.get(f["rule"])
+        if family is None:
+            return (0 if f["severity"] == "critical" else 2, 0, i)
+        return (1, order.index(family) if family in order else len(order), i)
+
+    return [f for _, f in sorted(enumerate(found), key=key)]
