@@ -245,6 +245,13 @@ def test_skipped_verification_says_why() -> None:
     assert "Not verified: the profiled run fits its budget as it is" in html
 
 
+def test_a_verified_run_s_own_report_says_what_it_is() -> None:
+    trace = completed_trace(layers=2)
+    trace.header["applied_config"] = {"memdoctor_config": 1, "accumulation_steps": 2}
+    ctx = report_section(trace, {})
+    assert ctx is not None and "itself the run that verifies a plan" in ctx["skipped"]
+
+
 def test_hostile_record_is_escaped_and_tolerated() -> None:
     trace = completed_trace(layers=2)
     evil = "<script>alert(1)</script>"
@@ -269,6 +276,27 @@ def test_verify_options() -> None:
     assert ns.verify is True and ns.verify_rounds == 3
     assert parse_args(["profile", "--verify", "--verify-rounds", "1", "train.py"]).verify_rounds == 1
     assert main(["profile", "--verify-rounds", "0", "train.py"]) == exitcodes.USAGE_ERROR
+
+
+def test_verify_profile_records_in_the_first_trace_and_re_renders(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's glue: the record lands in the first trace and the first report is re-rendered."""
+    from memdoctor.cli import verify_profile
+
+    trace, summary = first_run
+    path = save_trace(trace, tmp_path / "trace.jsonl.gz")
+    (tmp_path / "report.html").write_text("old")
+    result = ProfileResult(exitcodes.OK, "completed", "ok", trace_path=path, summary=summary)
+    written = verify_profile(_request(tmp_path), result, 3, FakeRunner([(exitcodes.OK, 7 * GiB)]))
+    assert tmp_path / "verify" / "trace.jsonl.gz" in written
+    assert load_trace(path).collected[RECORD_NAME]["rounds"][0]["fits"] is True
+    assert json.loads((tmp_path / "summary.json").read_text())["verified"]["fits"] is True
+    assert 'id="verify-rounds"' in (tmp_path / "report.html").read_text()
+    failed = ProfileResult(exitcodes.SCRIPT_FAILED, "exception", "boom", trace_path=path, summary=summary)
+    runner = FakeRunner([])
+    assert verify_profile(_request(tmp_path), failed, 3, runner) == [] and runner.requests == []
+    assert "not verified: the profiled run ended with exception" in capsys.readouterr().err
 
 
 VERIFY_LOOP = """

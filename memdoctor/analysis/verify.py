@@ -13,6 +13,10 @@ from typing import Any
 from memdoctor.trace import Trace
 
 RECORD_NAME = "verify"  # memdoctor.runner.verify.RECORD_NAME (not imported: that module runs profiles)
+APPLIED_NOTE = (
+    "this run was profiled with a memdoctor.yaml applied (the header's applied_config): it is itself the "
+    "run that verifies a plan, and the comparison is in the report of the run that made the plan"
+)
 _ROUND_KEYS = (
     "round",
     "trace",
@@ -85,6 +89,8 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
 def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
     """The rounds, the chart and why verification stopped; None when the run was not verified."""
     record = trace.collected.get(RECORD_NAME)
+    if not isinstance(record, dict) and trace.header.get("applied_config") is not None:
+        record = {"skipped": APPLIED_NOTE}
     if not isinstance(record, dict):
         return None
     rows = rounds(trace)
