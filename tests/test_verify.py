@@ -163,6 +163,15 @@ def test_nothing_to_verify_runs_nothing(tmp_path: Path) -> None:
     assert nothing_to_verify({"fits": True, "fits_as_is": False}) is None
 
 
+def test_a_run_profiled_with_a_config_is_not_verified(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    first_run[0].header["applied_config"] = {"memdoctor_config": 1}
+    runner = FakeRunner([])
+    record, _ = _verify(first_run, tmp_path, runner)
+    assert runner.requests == [] and "--config" in record["skipped"]
+
+
 def test_error_factor_and_correction(first_run: tuple[Trace, dict[str, Any]]) -> None:
     over = {"outcome": "over_budget", "measured_peak_bytes": 9 * GiB, "predicted_peak_bytes": 6 * GiB}
     assert error_factor(over, 8 * GiB) == pytest.approx(1.5)
@@ -304,9 +313,10 @@ import torch
 
 torch.manual_seed(0)
 nn = torch.nn
-model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 2))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(512, 64)), batch_size=64)
+block = nn.Sequential(nn.Linear(256, 256), nn.Tanh())
+model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), block, nn.Linear(256, 2))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8192, 32)), batch_size=2048)
 for (x,) in loader:
     model(x).square().mean().backward()
     opt.step()
@@ -321,6 +331,7 @@ def test_profile_verify_end_to_end(
     """The real supervisor on a tiny CPU loop: both traces, ``verified``, the section, exit code 0."""
     monkeypatch.chdir(tmp_path)
     Path("loop.py").write_text(VERIFY_LOOP)
+    # activations are 4.3 MiB of a 4.6 MiB peak: at 4 MiB the plan checkpoints
     argv = [
         "profile",
         "--warmup",
@@ -328,7 +339,7 @@ def test_profile_verify_end_to_end(
         "--steps",
         "2",
         "--budget",
-        "1MiB",
+        "4MiB",
         "--verify",
         "-o",
         "out",
@@ -340,10 +351,9 @@ def test_profile_verify_end_to_end(
     assert summary["plan"]["fits"] and not summary["plan"]["fits_as_is"]
     v = summary["verified"]
     assert v is not None and v["rounds"] >= 1 and v["peak_basis"] == "accounting"
-    assert (
-        v["measured_peak_bytes"] > 0
-        and v["predicted_peak_bytes"] == summary["plan"]["predicted_reserved_bytes"]
-    )
+    first = v["history"][0]
+    assert first["measured_peak_bytes"] > 0 and first["levers"] == summary["plan"]["levers"]
+    assert first["predicted_peak_bytes"] == summary["plan"]["predicted_reserved_bytes"]
     for h in v["history"]:
         assert load_trace(out / h["trace"]).steps  # each round's own trace, beside the first
     assert load_trace(out / "trace.jsonl.gz").collected[RECORD_NAME]["rounds"]

@@ -66,6 +66,8 @@ def verify(
     record = _record(summary, target, max_rounds)
     w = workload(trace, summary)
     skipped = nothing_to_verify(plan)
+    if trace.header.get("applied_config") is not None:  # profile --config: its plan is not for the script
+        skipped = "the profiled run had a config applied (--config); verify plans from the script as it is"
     if skipped is None and (w is None or target is None):
         skipped = "the first run has no memory figure or no budget to plan from"
     if skipped is not None:
