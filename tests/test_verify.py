@@ -350,7 +350,7 @@ def test_profile_verify_end_to_end(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["plan"]["fits"] and not summary["plan"]["fits_as_is"]
     v = summary["verified"]
-    assert v is not None and v["rounds"] >= 1 and v["peak_basis"] == "accounting"
+    assert v is not None and v["rounds"] >= 1 and v["history"][0]["peak_basis"] == "accounting"
     first = v["history"][0]
     assert first["measured_peak_bytes"] > 0 and first["levers"] == summary["plan"]["levers"]
     assert first["predicted_peak_bytes"] == summary["plan"]["predicted_reserved_bytes"]
