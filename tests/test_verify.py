@@ -355,7 +355,7 @@ def test_profile_verify_end_to_end(
     assert first["measured_peak_bytes"] > 0 and first["levers"] == summary["plan"]["levers"]
     assert first["predicted_peak_bytes"] == summary["plan"]["predicted_reserved_bytes"]
     for h in v["history"]:
-        assert load_trace(out / h["trace"]).steps  # each round's own trace, beside the first
+        assert load_trace(out / h["trace"]).end is not None  # each round's own whole trace, beside the first
     assert load_trace(out / "trace.jsonl.gz").collected[RECORD_NAME]["rounds"]
     html = (out / "report.html").read_text()
     assert 'id="verify-rounds"' in html
