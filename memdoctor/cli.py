@@ -291,6 +291,15 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
         "norms only), or a comma list of device, nvtx, data, transfers, histograms, flops",
     )
     p.add_argument(
+        "--verify",
+        action="store_true",
+        help="after the report, apply its plan (memdoctor.yaml) and profile again under the same budget "
+        "(into OUT/verify); the report then shows the measured peak and step time beside the predicted "
+        "ones, and a plan that does not fit is re-planned from what was measured",
+    )
+    rounds = "with --verify: at most N verified runs (re-plans) when a plan does not fit (default: 3)"
+    p.add_argument("--verify-rounds", type=_arg_type(_count(1)), default=3, metavar="N", help=rounds)
+    p.add_argument(
         "--time-depth",
         type=_arg_type(_time_depth),
         default=None,
@@ -336,10 +345,35 @@ def profile_command(ns: argparse.Namespace) -> int:
         )
     except Exception as exc:  # the files are written: a bug in this table must not change the exit code
         _say(f"internal error printing the summary: {type(exc).__name__}: {_one_line(exc)}; {_BUG_LINE}")
-    print_written(
-        getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
-    )
+    written = getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
+    if getattr(ns, "verify", False):
+        written = [*written, *verify_profile(request, result, ns.verify_rounds, supervisor.run_profile)]
+    print_written(written)
     return int(result.exit_code)
+
+
+def verify_profile(request: Any, result: Any, rounds: int, run: Callable[[Any], Any]) -> list[Path]:
+    """``profile --verify``: verify the first run's plan (``memdoctor.runner.verify``), record the result
+    in the first trace and re-render its report; the files the rounds wrote. The exit code stays the
+    first run's: it says how the profiled script ended."""
+    from memdoctor.report import write_report
+    from memdoctor.runner.verify import RECORD_NAME, VERIFIABLE_EXIT_CODES, verify
+    from memdoctor.trace import save_trace
+
+    trace = _load_quietly(result.trace_path)
+    if trace is None or result.summary is None or result.exit_code not in VERIFIABLE_EXIT_CODES:
+        _say(f"verify: not verified: the profiled run ended with {result.status}; fix that first")
+        return []
+    record = verify(trace, result.summary, request, run, _say, max_rounds=rounds)
+    trace.collected[RECORD_NAME] = record
+    save_trace(trace, result.trace_path)  # atomic, like the report files below
+    write_report(trace, request.out_dir)
+    folders = [request.out_dir / r["trace"] for r in record["rounds"]]
+    return [
+        p.parent / name
+        for p in folders
+        for name in ("trace.jsonl.gz", "summary.json", "report.html", "memdoctor.yaml")
+    ]
 
 
 _MEMDOCTOR_PROFILE_OPTIONS = (
@@ -353,6 +387,8 @@ _MEMDOCTOR_PROFILE_OPTIONS = (
     "--time-depth",
     "--detail",
     "--collect",
+    "--verify",
+    "--verify-rounds",
 )
 
 

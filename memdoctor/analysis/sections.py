@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "precision": "memdoctor.analysis.precision",
     "plan": "memdoctor.analysis.plan",  # after the measuring sections: it reads their summary keys
     "config": "memdoctor.analysis.config",  # the plan as memdoctor.yaml and its exports
+    "verify": "memdoctor.analysis.verify",  # profile --verify: the plan applied and measured
 }
 
 

@@ -41,6 +41,9 @@ class ProfileRequest:
     detail: str = "auto"
     collect: list[str] | str = "all"  # collector names (memdoctor.capture.collectors), or all / none
     progress: bool = False  # a "step k/N" bar on the terminal while the child runs
+    # a memdoctor.yaml's content (``PlanConfig.as_dict()``) for the child to apply while profiling
+    # (``profile --config``, ``--verify``); None profiles the script as it is
+    config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -114,6 +117,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "time_depth": req.time_depth,
         "detail": req.detail,
         "collect": req.collect if isinstance(req.collect, list) else parse_names(req.collect),
+        "config": req.config,
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,

@@ -1,0 +1,295 @@
+"""The story's scenario, measured (issue 5, point 6): memdoctor's plan against the best hand-tuned config.
+
+BERT-base sequence classification, batch 32, every sequence padded to 512, fp32, AdamW, a plain loop
+(``benchmarks/workloads/bert_story.py``), under an 8 GiB cap on a larger GPU:
+
+(a) the script as it is: expected to run out of memory;
+(b) ``memdoctor profile --budget 8GiB`` (with ``--verify`` when asked), then
+    ``memdoctor run --config OUT/profile/memdoctor.yaml`` on the unmodified script: its samples/s;
+(c) a small hand grid of the story's levers, each run bare through the workload's own flags
+    (checkpoint every layer / every 2nd, micro-batch 16 or 8 with accumulation to 32, bf16, trimmed
+    padding): their samples/s; a config that runs out of memory does not count.
+
+It prints a table and writes OUT/results.json: memdoctor's samples/s against the best hand config
+(target: at least 90%), and against the best hand config that keeps fp32 numerics (memdoctor's planner
+tries numerics-preserving levers first; bf16 changes the numbers the model computes).
+
+Every run is its own process under a timeout and gets the same cap: the bare runs through the
+workload's ``--memory-cap-gib`` (``torch.cuda.set_per_process_memory_fraction``, as ``memdoctor
+profile --budget`` caps: ``memdoctor.device.CudaDevice.apply_cap``). Steps are few (12; samples/s from
+the median of the last 8 step times of the workload's ``--timing-file``), so the whole run takes a few
+minutes on an H200 (the lead runs it on the device):
+
+    python benchmarks/story_scenario.py --out /tmp/story [--verify]
+
+``--tiny`` is a CPU smoke run (a 2-layer BERT, 4 steps, two grid points, a small budget so that there is
+a plan); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOAD = REPO / "benchmarks" / "workloads" / "bert_story.py"
+TARGET = 0.90
+LAST_STEPS = 8  # samples/s from the median of the last LAST_STEPS step times
+
+# name -> the workload's flags; (c)'s hand grid. Every entry keeps the effective batch of 32.
+GRID: dict[str, list[str]] = {
+    "checkpoint every layer": ["--checkpoint-every", "1"],
+    "checkpoint every 2nd layer": ["--checkpoint-every", "2"],
+    "micro-batch 16 x2": ["--micro-batch", "16"],
+    "micro-batch 8 x4": ["--micro-batch", "8"],
+    "checkpoint every 2nd, micro-batch 16 x2": ["--checkpoint-every", "2", "--micro-batch", "16"],
+    "trim padding, micro-batch 16 x2": ["--trim-padding", "--micro-batch", "16"],
+    "trim padding, checkpoint every 2nd": ["--trim-padding", "--checkpoint-every", "2"],
+    "bf16": ["--bf16"],
+    "bf16, micro-batch 16 x2": ["--bf16", "--micro-batch", "16"],
+    "bf16, checkpoint every 2nd": ["--bf16", "--checkpoint-every", "2"],
+    "bf16, trim padding": ["--bf16", "--trim-padding"],
+}
+TINY_GRID = ("checkpoint every layer", "trim padding, checkpoint every 2nd")
+
+
+@dataclass
+class Run:
+    """One process: what ran, how it ended, and what it measured."""
+
+    name: str
+    kind: str  # "bare", "memdoctor", "hand"
+    command: list[str]
+    status: str = "not run"  # ok, oom, failed, timeout, skipped
+    note: str = ""
+    samples_per_s: float | None = None
+    step_ms: float | None = None
+    max_reserved_bytes: int | None = None
+    max_allocated_bytes: int | None = None
+    wall_s: float = 0.0
+    fp32: bool = True
+    steps_ms: list[float] = field(default_factory=list)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [bare(args)]
+    runs += memdoctor_runs(args)
+    names = TINY_GRID if args.tiny else tuple(GRID)
+    runs += [hand(args, name) for name in names]
+    result = summarize(args, runs)
+    print_table(runs, result)
+    (out / "results.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"Wrote {out / 'results.json'}")
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("story-scenario"))
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny BERT, few steps, two grid points")
+    p.add_argument("--cap-gib", type=float, default=8.0, help="the card to emulate (default 8 GiB)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per run (default 12; 4 with --tiny)"
+    )
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per run (default 150)")
+    p.add_argument("--verify", action="store_true", help="profile with --verify in (b)")
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 4 if args.tiny else 12
+    return args
+
+
+# ----------------------------------------------------------------------------------------- the runs
+
+
+def workload_args(args: argparse.Namespace, run_dir: Path, *, cap: bool = True, steps: int = 0) -> list[str]:
+    """The workload's own arguments: size, steps, the cap (unless memdoctor applies it), timing, peak."""
+    out = ["--steps", str(steps or args.steps), "--timing-file", str(run_dir / "steps.jsonl")]
+    out += ["--peak-file", str(run_dir / "peak.json")]
+    if args.tiny:
+        out += ["--tiny", "--device", "cpu"]
+    if cap:
+        out += ["--memory-cap-gib", str(args.cap_gib)]
+    return out
+
+
+def batch_size(args: argparse.Namespace) -> int:
+    """The workload's default batch: 32 (4 with --tiny); every grid point keeps it as the effective batch."""
+    return 4 if args.tiny else 32
+
+
+def budget(args: argparse.Namespace) -> str:
+    """memdoctor's --budget: the cap; with --tiny a budget small enough that the tiny model needs a plan."""
+    return "2MiB" if args.tiny else f"{args.cap_gib:g}GiB"
+
+
+def bare(args: argparse.Namespace) -> Run:
+    d = run_dir(args, "a-bare")
+    run = Run("as is (the story's run)", "bare", [sys.executable, str(WORKLOAD), *workload_args(args, d)])
+    return execute(run, args, d)
+
+
+def hand(args: argparse.Namespace, name: str) -> Run:
+    d = run_dir(args, "c-" + slug(name))
+    flags = GRID[name]
+    run = Run(name, "hand", [sys.executable, str(WORKLOAD), *workload_args(args, d), *flags])
+    run.fp32 = "--bf16" not in flags
+    return execute(run, args, d)
+
+
+def memdoctor_runs(args: argparse.Namespace) -> list[Run]:
+    """(b): profile under the budget (its own step times are not throughput), then ``memdoctor run``."""
+    d = run_dir(args, "b-profile")
+    profile = [
+        sys.executable,
+        "-m",
+        "memdoctor",
+        "profile",
+        "--budget",
+        budget(args),
+        "-o",
+        str(d / "report"),
+    ]
+    profile += ["--force", "--warmup", "1", "--steps", "3", *(["--verify"] if args.verify else [])]
+    # memdoctor caps the profiled process itself; the script runs longer than the 4 profiled steps
+    script_args = workload_args(args, d, cap=False, steps=max(args.steps, 6))
+    prof = execute(
+        Run("memdoctor profile", "profile", [*profile, str(WORKLOAD), "--", *script_args]), args, d
+    )
+    config = d / "report" / "memdoctor.yaml"
+    if not config.exists():
+        prof.note = "no memdoctor.yaml: the profile made no plan (see its report)"
+        return [prof, Run("memdoctor run --config", "memdoctor", [], status="skipped", note=prof.note)]
+    if not has_run_command():
+        note = "this memdoctor has no `memdoctor run` (not merged yet)"
+        return [prof, Run("memdoctor run --config", "memdoctor", [], status="skipped", note=note)]
+    d2 = run_dir(args, "b-run")
+    cmd = [sys.executable, "-m", "memdoctor", "run", "--config", str(config), str(WORKLOAD), "--"]
+    run = execute(Run("memdoctor run --config", "memdoctor", [*cmd, *workload_args(args, d2)]), args, d2)
+    run.fp32 = "precision: fp32" in config.read_text() or "precision:" not in config.read_text()
+    return [prof, run]
+
+
+def has_run_command() -> bool:
+    proc = subprocess.run(
+        [sys.executable, "-m", "memdoctor", "run", "--help"], capture_output=True, text=True, timeout=120
+    )
+    return proc.returncode == 0
+
+
+def run_dir(args: argparse.Namespace, name: str) -> Path:
+    d = args.out / name
+    d.mkdir(parents=True, exist_ok=True)
+    for stale in ("steps.jsonl", "peak.json"):
+        (d / stale).unlink(missing_ok=True)
+    return d
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def execute(run: Run, args: argparse.Namespace, d: Path) -> Run:
+    """Run one process under the timeout; read its timing and peak files."""
+    print(f"[story] {run.name} ...", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(run.command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+        (d / "output.txt").write_text(proc.stdout + proc.stderr)
+        oom = "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr
+        run.status = "ok" if proc.returncode == 0 else ("oom" if oom else "failed")
+        if run.status == "failed":
+            run.note = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    except subprocess.TimeoutExpired:
+        run.status = "timeout"
+    run.wall_s = round(time.monotonic() - start, 1)
+    read_measurements(run, args, d)
+    return run
+
+
+def read_measurements(run: Run, args: argparse.Namespace, d: Path) -> None:
+    timing, peak = d / "steps.jsonl", d / "peak.json"
+    if timing.exists():
+        rows = [json.loads(line) for line in timing.read_text().splitlines() if line.strip()]
+        run.steps_ms = [float(r["step_ms"]) for r in rows]
+    if peak.exists():
+        p = json.loads(peak.read_text())
+        run.max_reserved_bytes = p.get("max_reserved_bytes")
+        run.max_allocated_bytes = p.get("max_allocated_bytes")
+        if p.get("oom"):
+            run.status = "oom"
+    last = run.steps_ms[1:][-LAST_STEPS:]  # step 1 includes start-up
+    if run.status == "ok" and run.kind != "profile" and last:
+        run.step_ms = statistics.median(last)
+        run.samples_per_s = round(batch_size(args) * 1000.0 / run.step_ms, 2)
+
+
+# ----------------------------------------------------------------------------------------- results
+
+
+def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
+    hand_ok = [r for r in runs if r.kind == "hand" and r.samples_per_s]
+    best = max(hand_ok, key=lambda r: r.samples_per_s or 0, default=None)
+    best32 = max((r for r in hand_ok if r.fp32), key=lambda r: r.samples_per_s or 0, default=None)
+    ours = next((r for r in runs if r.kind == "memdoctor"), None)
+    mine = ours.samples_per_s if ours else None
+    return {
+        "cap_gib": args.cap_gib,
+        "steps": args.steps,
+        "tiny": args.tiny,
+        "target": TARGET,
+        "runs": [asdict(r) for r in runs],
+        "plan": read_plan(args),
+        "memdoctor_samples_per_s": mine,
+        "best_hand": best.name if best else None,
+        "best_hand_samples_per_s": best.samples_per_s if best else None,
+        "best_hand_fp32": best32.name if best32 else None,
+        "best_hand_fp32_samples_per_s": best32.samples_per_s if best32 else None,
+        "ratio": ratio(mine, best),
+        "ratio_fp32": ratio(mine, best32),
+        "bare_ooms": next((r.status == "oom" for r in runs if r.kind == "bare"), None),
+    }
+
+
+def ratio(mine: float | None, best: Run | None) -> float | None:
+    if not mine or best is None or not best.samples_per_s:
+        return None
+    return round(mine / best.samples_per_s, 3)
+
+
+def read_plan(args: argparse.Namespace) -> dict[str, Any] | None:
+    path = args.out / "b-profile" / "report" / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    plan = summary.get("plan") or {}
+    keys = ("levers", "config", "predicted_reserved_bytes", "predicted_step_time_ratio", "fits")
+    return {"plan": {k: plan.get(k) for k in keys}, "verified": summary.get("verified")}
+
+
+def print_table(runs: list[Run], result: dict[str, Any]) -> None:
+    print(f"\n{'run':44} {'status':8} {'samples/s':>10} {'step ms':>9} {'peak reserved':>14} {'wall s':>7}")
+    for r in runs:
+        peak = f"{r.max_reserved_bytes / 1024**3:.2f} GiB" if r.max_reserved_bytes else "-"
+        sps = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
+        step = f"{r.step_ms:.1f}" if r.step_ms else "-"
+        print(f"{r.name[:44]:44} {r.status:8} {sps:>10} {step:>9} {peak:>14} {r.wall_s:>7.1f}  {r.note}")
+    for key in ("ratio", "ratio_fp32"):
+        value = result[key]
+        best = result["best_hand" if key == "ratio" else "best_hand_fp32"]
+        shown = "n/a" if value is None else f"{100 * value:.0f}%"
+        print(f"memdoctor vs best hand config{' (fp32)' if key == 'ratio_fp32' else ''} ({best}): {shown}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""The "Measured vs predicted" section: what ``memdoctor profile --verify`` measured against the plan.
+
+``--verify`` (``memdoctor.runner.verify``) writes a run-wide ``collector`` record named ``verify`` into
+the first run's trace: one entry per verified round (the config applied, its predicted and measured
+peak and step time). ``summarize`` turns the last round into ``summary.json``'s ``verified`` (null when
+the run was not verified); ``report_section`` gives the table and the bar chart. Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memdoctor.trace import Trace
+
+RECORD_NAME = "verify"  # memdoctor.runner.verify.RECORD_NAME (not imported: that module runs profiles)
+APPLIED_NOTE = (
+    "this run was profiled with a memdoctor.yaml applied (the header's applied_config): it is itself the "
+    "run that verifies a plan, and the comparison is in the report of the run that made the plan"
+)
+_ROUND_KEYS = (
+    "round",
+    "trace",
+    "levers",
+    "correction",
+    "outcome",
+    "fits",
+    "status",
+    "config_applied",
+    "peak_basis",
+    "predicted_peak_bytes",
+    "measured_peak_bytes",
+    "predicted_allocated_peak_bytes",
+    "measured_allocated_peak_bytes",
+    "predicted_step_time_ratio",
+    "measured_step_time_ratio",
+)
+
+_NUMBERS = tuple(k for k in _ROUND_KEYS if k.endswith(("_bytes", "_ratio")) or k in ("round", "correction"))
+
+
+def rounds(trace: Trace) -> list[dict[str, Any]]:
+    """The verified rounds recorded in ``trace`` (each with every ``_ROUND_KEYS`` key), in order."""
+    record = trace.collected.get(RECORD_NAME) or {}
+    found = record.get("rounds")
+    rows = [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+    return [_clean(r) for r in rows]
+
+
+def _clean(r: dict[str, Any]) -> dict[str, Any]:
+    """One round with every key, numbers only where numbers belong (a trace is input: never trust it)."""
+    out = {key: r.get(key) for key in _ROUND_KEYS}
+    for key in _NUMBERS:
+        out[key] = _number(out[key])
+    levers = out["levers"]
+    out["levers"] = [str(v) for v in levers] if isinstance(levers, list) else []
+    for key in ("fits", "config_applied"):
+        out[key] = out[key] is True
+    for key in ("trace", "outcome", "status", "peak_basis"):
+        out[key] = None if out[key] is None else str(out[key])
+    return out
+
+
+def peak_error(measured: Any, predicted: Any) -> float | None:
+    """(measured - predicted) / predicted: positive means the plan under-predicted (an OOM risk)."""
+    if not isinstance(measured, (int, float)) or not isinstance(predicted, (int, float)) or predicted <= 0:
+        return None
+    return round((measured - predicted) / predicted, 4)
+
+
+def verified(trace: Trace) -> dict[str, Any] | None:
+    """``summary.json``'s ``verified``: the last round's figures, the round count and every round."""
+    rows = rounds(trace)
+    if not rows:
+        return None
+    last = rows[-1]
+    keys = [k for k in _ROUND_KEYS if k not in ("round", "levers", "correction", "status")]
+    out = {k: last[k] for k in keys}
+    out["peak_error"] = peak_error(last["measured_peak_bytes"], last["predicted_peak_bytes"])
+    out["rounds"] = len(rows)
+    out["history"] = rows
+    return out
+
+
+def summarize(trace: Trace, summary: dict[str, Any]) -> None:
+    """``verified``: null unless the run was profiled with ``--verify`` and at least one round ran."""
+    summary["verified"] = verified(trace)
+
+
+def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The rounds, the chart and why verification stopped; None when the run was not verified."""
+    record = trace.collected.get(RECORD_NAME)
+    if not isinstance(record, dict) and trace.header.get("applied_config") is not None:
+        record = {"skipped": APPLIED_NOTE}
+    if not isinstance(record, dict):
+        return None
+    rows = rounds(trace)
+    for r in rows:
+        r["peak_error"] = peak_error(r["measured_peak_bytes"], r["predicted_peak_bytes"])
+    budget = _number(record.get("budget_bytes"))
+    from memdoctor.report.plots_verify import peak_bars  # the report layer draws (matplotlib)
+
+    return {
+        "skipped": record.get("skipped"),
+        "stopped": record.get("stopped"),
+        "rounds": rows,
+        "final": rows[-1] if rows else None,
+        "budget_bytes": budget,
+        "max_rounds": _number(record.get("max_rounds")),
+        "oom_floor": _number(record.get("oom_floor")),
+        "chart": peak_bars(rows, budget),
+    }
+
+
+def _number(value: Any) -> Any:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,0 +1,363 @@
+"""``memdoctor profile --verify``: the verify loop (with a fake profile runner), its record in the
+trace, ``summary.json``'s ``verified``, the report section, and one real end-to-end run on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tracebuilder import TraceBuilder, completed_trace, tiny_mlp
+
+from memdoctor import exitcodes
+from memdoctor.analysis.summary import build_summary
+from memdoctor.analysis.verify import report_section, verified
+from memdoctor.cli import main, parse_args
+from memdoctor.config import load_config
+from memdoctor.report.render import render_report
+from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
+from memdoctor.runner.verify import (
+    OOM_FLOOR,
+    RECORD_NAME,
+    corrected_workload,
+    error_factor,
+    measure,
+    nothing_to_verify,
+    verify,
+)
+from memdoctor.trace import Trace, load_trace, save_trace
+
+GiB = 1024**3
+DATA = Path(__file__).parent / "data"
+BERT32 = DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz"  # 12.2 GB peak, b32 s512 fp32, on an H200
+
+
+@pytest.fixture
+def first_run() -> tuple[Trace, dict[str, Any]]:
+    """The recorded BERT-base b32 trace judged against an 8 GiB budget: a plan that does not fit as is."""
+    trace = load_trace(BERT32)
+    trace.header["settings"]["budget_bytes"] = 8 * GiB
+    summary = build_summary(trace)
+    assert summary["plan"]["fits"] and not summary["plan"]["fits_as_is"]
+    return trace, summary
+
+
+class FakeRunner:
+    """Stands in for ``run_profile``: each call writes a small CUDA trace whose largest reserved figure
+    is the next of ``outcomes`` ((exit code, reserved bytes)), recording the config as applied."""
+
+    def __init__(
+        self, outcomes: list[tuple[int, int]], *, applies: bool = True, step_ms: float = 300.0
+    ) -> None:
+        self.outcomes = list(outcomes)
+        self.applies = applies
+        self.step_ms = step_ms
+        self.requests: list[ProfileRequest] = []
+
+    def __call__(self, req: ProfileRequest) -> ProfileResult:
+        self.requests.append(req)
+        code, reserved = self.outcomes[len(self.requests) - 1]
+        b = TraceBuilder(kind="cuda", budget_bytes=req.budget_bytes)
+        b.add_model(tiny_mlp())
+        b.add_steps(warmup=1, profiled=2)
+        trace = b.end("completed" if code == exitcodes.OK else "oom").build()
+        trace.steps[-1].memory["allocator"]["max_reserved"] = reserved
+        if self.applies:
+            trace.header["applied_config"] = req.config
+        path = save_trace(trace, req.out_dir / "trace.jsonl.gz")
+        status = {exitcodes.OK: "completed", exitcodes.OUT_OF_MEMORY: "oom"}.get(code, "exception")
+        summary = {"step_time_ms": self.step_ms if code == exitcodes.OK else None}
+        return ProfileResult(code, status, f"fake {status}", trace_path=path, summary=summary)
+
+
+def _request(out: Path) -> ProfileRequest:
+    return ProfileRequest(
+        script="train.py", module=None, args=["--lr", "1"], out_dir=out, budget_bytes=8 * GiB
+    )
+
+
+def _verify(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, runner: FakeRunner, **kw: Any) -> Any:
+    lines: list[str] = []
+    record = verify(*first_run, _request(tmp_path), runner, lines.append, **kw)
+    return record, lines
+
+
+# ----------------------------------------------------------------------------------------- the loop
+
+
+def test_a_plan_that_fits_is_verified_in_one_round(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    runner = FakeRunner([(exitcodes.OK, 7 * GiB)])
+    record, lines = _verify(first_run, tmp_path, runner)
+    plan = first_run[1]["plan"]
+    (req,) = runner.requests
+    assert req.out_dir == tmp_path / "verify" and req.budget_bytes == 8 * GiB and req.args == ["--lr", "1"]
+    assert req.config is not None and req.config["accumulation_steps"] == plan["config"]["accumulation_steps"]
+    assert load_config(tmp_path / "verify" / "memdoctor.yaml").as_dict() == req.config  # what it applied
+    (r,) = record["rounds"]
+    assert r["fits"] and r["outcome"] == "fits" and record["stopped"] is None
+    assert r["predicted_peak_bytes"] == plan["predicted_reserved_bytes"]
+    assert r["measured_peak_bytes"] == 7 * GiB and r["peak_basis"] == "reserved"
+    assert r["measured_step_time_ratio"] == pytest.approx(300.0 / first_run[1]["step_time_ms"], rel=1e-3)
+    assert r["trace"] == "verify/trace.jsonl.gz"
+    assert any("verify round 1/3" in line and "fits the budget" in line for line in lines)
+
+
+def test_oom_then_over_budget_re_plans_until_it_fits(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    runner = FakeRunner(
+        [(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 9 * GiB), (exitcodes.OK, 6 * GiB)]
+    )
+    record, lines = _verify(first_run, tmp_path, runner)
+    rounds = record["rounds"]
+    assert [r["outcome"] for r in rounds] == ["oom", "over_budget", "fits"]
+    assert [q.out_dir.name for q in runner.requests] == ["verify", "verify-2", "verify-3"]
+    corrections = [r["correction"] for r in rounds]
+    assert corrections[0] == 1.0 < corrections[1] < corrections[2]
+    # round 2 plans as if the first round had needed OOM_FLOOR x the budget
+    assert corrections[1] == pytest.approx(8 * GiB * OOM_FLOOR / rounds[0]["predicted_peak_bytes"], rel=1e-3)
+    # each re-plan asks for less memory before correction: a more aggressive config every round
+    allocated = [r["predicted_allocated_peak_bytes"] for r in rounds]
+    assert allocated[0] > allocated[1] > allocated[2]
+    assert all(r["predicted_peak_bytes"] <= 8 * GiB * 0.9 for r in rounds)  # each plan fitted when made
+    assert runner.requests[0].config != runner.requests[1].config != runner.requests[2].config
+    assert record["stopped"] is None
+    assert sum("re-planned with" in line for line in lines) == 2
+    assert any("apply" in line and "verify-3" in line for line in lines)
+
+
+def test_rounds_are_capped(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path) -> None:
+    runner = FakeRunner([(exitcodes.OK, 9 * GiB)] * 2)
+    record, lines = _verify(first_run, tmp_path, runner, max_rounds=2)
+    assert len(record["rounds"]) == 2 and not record["rounds"][-1]["fits"]
+    assert "--verify-rounds" in record["stopped"] and any("stopped" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("runner", "why"),
+    [
+        (FakeRunner([(exitcodes.SCRIPT_FAILED, 1 * GiB)]), "failed"),
+        (FakeRunner([(exitcodes.OK, 9 * GiB)], applies=False), "does not record the config as applied"),
+    ],
+)
+def test_what_a_re_plan_cannot_fix_stops_the_loop(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, runner: FakeRunner, why: str
+) -> None:
+    record, _ = _verify(first_run, tmp_path, runner)
+    assert len(runner.requests) == 1 and len(record["rounds"]) == 1
+    assert why in record["stopped"]
+
+
+def test_nothing_to_verify_runs_nothing(tmp_path: Path) -> None:
+    trace = completed_trace(kind="cuda", budget_bytes=64 * GiB, layers=2)  # fits as it is
+    runner = FakeRunner([])
+    lines: list[str] = []
+    record = verify(trace, build_summary(trace), _request(tmp_path), runner, lines.append)
+    assert runner.requests == [] and record["rounds"] == []
+    assert "fits its budget as it is" in record["skipped"] and "not verified" in lines[0]
+    assert nothing_to_verify(None) is not None
+    assert "nothing the planner models fits" in str(nothing_to_verify({"fits": False, "fits_as_is": False}))
+    assert nothing_to_verify({"fits": True, "fits_as_is": False}) is None
+
+
+def test_a_run_profiled_with_a_config_is_not_verified(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    first_run[0].header["applied_config"] = {"memdoctor_config": 1}
+    runner = FakeRunner([])
+    record, _ = _verify(first_run, tmp_path, runner)
+    assert runner.requests == [] and "--config" in record["skipped"]
+
+
+def test_error_factor_and_correction(first_run: tuple[Trace, dict[str, Any]]) -> None:
+    over = {"outcome": "over_budget", "measured_peak_bytes": 9 * GiB, "predicted_peak_bytes": 6 * GiB}
+    assert error_factor(over, 8 * GiB) == pytest.approx(1.5)
+    oom = {"outcome": "oom", "measured_peak_bytes": 7 * GiB, "predicted_peak_bytes": 6 * GiB}
+    assert error_factor(oom, 8 * GiB) == pytest.approx(8 * OOM_FLOOR / 6)
+    low = {"outcome": "over_budget", "measured_peak_bytes": 1, "predicted_peak_bytes": 6 * GiB}
+    assert error_factor(low, 8 * GiB) == 1.0  # never lowers a prediction
+    from memdoctor.plan.model import Config, predict, workload
+
+    w = workload(*first_run)
+    assert w is not None
+    raised = corrected_workload(w, 1.5)
+    assert predict(raised, Config()).reserved_bytes == pytest.approx(
+        1.5 * predict(w, Config()).reserved_bytes, 1e-6
+    )
+    assert "raised x1.500" in raised.notes[-1] and w.notes != raised.notes
+
+
+def test_measure_cpu_trace_uses_tensor_accounting() -> None:
+    trace = completed_trace(kind="cpu", budget_bytes=None, layers=2)
+    m = measure(trace, {"step_time_ms": 12.0})
+    assert m["peak_basis"] == "accounting" and m["measured_peak_bytes"] == max(
+        s.memory["peak_bytes"] for s in trace.steps
+    )
+    assert m["measured_step_time_ms"] == 12.0 and m["config_applied"] is False
+    assert measure(None, None)["peak_basis"] is None
+
+
+# ----------------------------------------------------------------------------------------- summary, report
+
+
+def _verified_trace(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path) -> Trace:
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 6 * GiB)])
+    record, _ = _verify(first_run, tmp_path, runner)
+    trace = first_run[0]
+    trace.collected[RECORD_NAME] = record
+    return load_trace(save_trace(trace, tmp_path / "first.jsonl.gz"))  # as written: survives a reload
+
+
+def test_summary_verified_shape(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path) -> None:
+    trace = _verified_trace(first_run, tmp_path)
+    v = build_summary(trace)["verified"]
+    required = {
+        "measured_peak_bytes",
+        "predicted_peak_bytes",
+        "measured_step_time_ratio",
+        "predicted_step_time_ratio",
+        "fits",
+        "rounds",
+        "trace",
+    }
+    assert required <= set(v)
+    assert v["rounds"] == 2 and v["fits"] is True and v["trace"] == "verify-2/trace.jsonl.gz"
+    assert v["measured_peak_bytes"] == 6 * GiB and v["peak_basis"] == "reserved"
+    assert v["peak_error"] == pytest.approx(
+        (6 * GiB - v["predicted_peak_bytes"]) / v["predicted_peak_bytes"], abs=1e-4
+    )
+    assert [h["outcome"] for h in v["history"]] == ["oom", "fits"]
+    json.dumps(v, allow_nan=False)
+    ctx = report_section(trace, build_summary(trace))
+    assert ctx is not None and ctx["chart"].startswith("data:image/svg+xml") and len(ctx["rounds"]) == 2
+    html = render_report(trace)
+    assert 'id="verify-rounds"' in html and "verify-2/memdoctor.yaml" in html
+
+
+def test_unverified_report_says_so() -> None:
+    trace = completed_trace(layers=2)
+    assert verified(trace) is None and build_summary(trace)["verified"] is None
+    assert report_section(trace, {}) is None
+    html = render_report(trace)
+    section = html[html.index('id="verify"') :]
+    assert "Not verified" in section and "run with --verify" in section
+
+
+def test_skipped_verification_says_why() -> None:
+    trace = completed_trace(layers=2)
+    trace.collected[RECORD_NAME] = {"skipped": "the profiled run fits its budget as it is", "rounds": []}
+    assert build_summary(trace)["verified"] is None
+    html = render_report(trace)
+    assert "Not verified: the profiled run fits its budget as it is" in html
+
+
+def test_a_verified_run_s_own_report_says_what_it_is() -> None:
+    trace = completed_trace(layers=2)
+    trace.header["applied_config"] = {"memdoctor_config": 1, "accumulation_steps": 2}
+    ctx = report_section(trace, {})
+    assert ctx is not None and "itself the run that verifies a plan" in ctx["skipped"]
+
+
+def test_hostile_record_is_escaped_and_tolerated() -> None:
+    trace = completed_trace(layers=2)
+    evil = "<script>alert(1)</script>"
+    trace.collected[RECORD_NAME] = {
+        "oom_floor": "x",
+        "rounds": [
+            {"round": 1, "levers": [evil], "trace": evil, "measured_peak_bytes": "lots", "correction": [2]},
+            "junk",
+        ],
+        "stopped": evil,
+    }
+    html = render_report(trace)
+    assert evil not in html and "&lt;script&gt;" in html
+    assert build_summary(trace)["verified"]["rounds"] == 1
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+
+def test_verify_options() -> None:
+    ns = parse_args(["profile", "--verify", "train.py"])
+    assert ns.verify is True and ns.verify_rounds == 3
+    assert parse_args(["profile", "--verify", "--verify-rounds", "1", "train.py"]).verify_rounds == 1
+    assert main(["profile", "--verify-rounds", "0", "train.py"]) == exitcodes.USAGE_ERROR
+
+
+def test_verify_profile_records_in_the_first_trace_and_re_renders(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's glue: the record lands in the first trace and the first report is re-rendered."""
+    from memdoctor.cli import verify_profile
+
+    trace, summary = first_run
+    path = save_trace(trace, tmp_path / "trace.jsonl.gz")
+    (tmp_path / "report.html").write_text("old")
+    result = ProfileResult(exitcodes.OK, "completed", "ok", trace_path=path, summary=summary)
+    written = verify_profile(_request(tmp_path), result, 3, FakeRunner([(exitcodes.OK, 7 * GiB)]))
+    assert tmp_path / "verify" / "trace.jsonl.gz" in written
+    assert load_trace(path).collected[RECORD_NAME]["rounds"][0]["fits"] is True
+    assert json.loads((tmp_path / "summary.json").read_text())["verified"]["fits"] is True
+    assert 'id="verify-rounds"' in (tmp_path / "report.html").read_text()
+    failed = ProfileResult(exitcodes.SCRIPT_FAILED, "exception", "boom", trace_path=path, summary=summary)
+    runner = FakeRunner([])
+    assert verify_profile(_request(tmp_path), failed, 3, runner) == [] and runner.requests == []
+    assert "not verified: the profiled run ended with exception" in capsys.readouterr().err
+
+
+VERIFY_LOOP = """
+import torch
+
+torch.manual_seed(0)
+nn = torch.nn
+block = nn.Sequential(nn.Linear(256, 256), nn.Tanh())
+model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), block, nn.Linear(256, 2))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8192, 32)), batch_size=2048)
+for (x,) in loader:
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_profile_verify_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real supervisor on a tiny CPU loop: both traces, ``verified``, the section, exit code 0."""
+    monkeypatch.chdir(tmp_path)
+    Path("loop.py").write_text(VERIFY_LOOP)
+    # activations are 4.3 MiB of a 4.6 MiB peak: at 4 MiB the plan checkpoints
+    argv = [
+        "profile",
+        "--warmup",
+        "0",
+        "--steps",
+        "2",
+        "--budget",
+        "4MiB",
+        "--verify",
+        "-o",
+        "out",
+        "loop.py",
+    ]
+    assert main(argv) == exitcodes.OK
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"]["fits"] and not summary["plan"]["fits_as_is"]
+    v = summary["verified"]
+    assert v is not None and v["rounds"] >= 1 and v["history"][0]["peak_basis"] == "accounting"
+    first = v["history"][0]
+    assert first["measured_peak_bytes"] > 0 and first["levers"] == summary["plan"]["levers"]
+    assert first["predicted_peak_bytes"] == summary["plan"]["predicted_reserved_bytes"]
+    for h in v["history"]:
+        assert load_trace(out / h["trace"]).end is not None  # each round's own whole trace, beside the first
+    assert load_trace(out / "trace.jsonl.gz").collected[RECORD_NAME]["rounds"]
+    html = (out / "report.html").read_text()
+    assert 'id="verify-rounds"' in html
+    err = capsys.readouterr().err
+    assert "verify round 1/3" in err
