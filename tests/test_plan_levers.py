@@ -363,8 +363,8 @@ def test_the_planner_beats_the_story_order_on_recorded_traces(
     w = workload(trace, summary)
     assert w is not None
     order = summary["lever_priority"]["order"]
-    targets = [Target(b * GiB) for b in (3, 4, 5, 6, 7, 8, 10)]
-    targets += [Target(c.usable_bytes, c) for c in CARDS if c.memory_bytes <= 24 * GiB]
+    targets = [Target(b * GiB) for b in (3, 4, 5, 6, 7, 8, 10, 16, 20)]
+    targets += [Target(c.usable_bytes, c) for c in CARDS if c.memory_bytes <= 32 * GiB]
     compared = 0
     for target in targets:
         story = story_baseline(trace, w, target)
@@ -376,7 +376,7 @@ def test_the_planner_beats_the_story_order_on_recorded_traces(
         )
         assert _cost(plan.chosen)[0] <= _cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
         compared += 1
-    assert compared >= 7
+    assert compared >= 4  # not vacuous: the 1B decoder's state alone needs ~16 GiB, the others fit 3-8
 
 
 def test_the_planner_is_strictly_faster_than_the_story_where_it_matters(

@@ -25,14 +25,17 @@ from typing import Any
 from memdoctor.analysis.summary import repeated_blocks
 from memdoctor.plan.cards import CARDS, Card
 from memdoctor.plan.model import (
+    CHECKPOINT_GRADIENT_SHARE,
     PAD_MULTIPLE,
     Candidate,
     Config,
     Prediction,
     Workload,
     activation_scale,
+    offloaded_state,
     predict,
     reserved_ratio,
+    step_floor,
 )
 from memdoctor.plan.ninegrid import lever_priority
 from memdoctor.trace import Trace
@@ -271,11 +274,14 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     must free for ``config`` to fit; None when even no activations at all would not fit."""
     p0 = _predict(w, config, target)
     parts = dict(p0.breakdown)
-    if config == Config():  # checkpointed configs count every gradient (``predict``), this one not
-        parts["gradients"] = w.gradients
+    # Count as ``predict`` does for the checkpointed config: its gradients (a share of them with
+    # checkpointing alone), its allocator slack, the optimizer step's own peak.
+    probe = dataclasses.replace(config, checkpoint=("",))
+    _, grads = offloaded_state(w, config, [])
+    parts["gradients"] = int(grads * CHECKPOINT_GRADIENT_SHARE) if config.accumulation == 1 else grads
     rest = sum(parts.values()) - parts["activations"]
-    floor = parts["parameters"] + parts["gradients"] + parts["optimizer_state"] + w.fixed
-    allowed = target.limit_bytes / reserved_ratio(w, config)
+    floor = step_floor(w, probe, parts, [])
+    allowed = target.limit_bytes / reserved_ratio(w, probe)
     room = allowed - rest
     if room <= 0 or floor > allowed:
         return None
