@@ -34,9 +34,14 @@ def main() -> int:
     from memdoctor.trace import TraceWriter
 
     writer = TraceWriter(cfg["trace_path"])
+    header_written: list[bool] = []
+    installation = _install_config(cfg, writer, header_written)  # before CUDA starts (the allocator)
     device = default_device()
     collectors, header = start_run(cfg, device)
     writer.write(header)
+    header_written.append(True)
+    for line in installation.lines if installation is not None else []:
+        writer.write(_event("config_applied", line, None))
 
     def stop() -> None:
         writer.write(_event("stopped", f"stopped after {session.steps_recorded} steps, as requested", None))
@@ -58,6 +63,22 @@ def main() -> int:
     code = _run(cfg, session, writer)
     writer.close()
     return code
+
+
+def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool]) -> Any:
+    """``--config``: the plan installed as ``memdoctor run`` installs it (``memdoctor.runtime.install``);
+    each part applied later (when the script builds its optimizer) is an event ``config_applied``, and
+    a part that cannot apply raises ``ConfigError`` into the script, recorded as its exception."""
+    if not cfg.get("config"):
+        return None
+    from memdoctor.runtime.install import install, say_stderr
+
+    def say(line: str) -> None:
+        say_stderr(line)
+        if header_written:  # the earlier lines are written after the header
+            writer.write(_event("config_applied", line, None))
+
+    return install(cfg["config"], say=say)
 
 
 def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -88,6 +109,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
         device=described,
         not_measured=device.not_measured() + unavailable,
         collectors=[c.name for c in collectors],
+        applied_config=cfg.get("config"),
     )
     return collectors, header
 

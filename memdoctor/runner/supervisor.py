@@ -41,6 +41,7 @@ class ProfileRequest:
     detail: str = "auto"
     collect: list[str] | str = "all"  # collector names (memdoctor.capture.collectors), or all / none
     progress: bool = False  # a "step k/N" bar on the terminal while the child runs
+    config: dict[str, Any] | None = None  # a memdoctor.yaml's mapping, applied in the child (--config)
 
 
 @dataclass
@@ -114,6 +115,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "time_depth": req.time_depth,
         "detail": req.detail,
         "collect": req.collect if isinstance(req.collect, list) else parse_names(req.collect),
+        "config": req.config,
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,
@@ -123,6 +125,9 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
     }
     env = dict(os.environ)
     env[ENV_VAR] = json.dumps(cfg)
+    allocator = (req.config or {}).get("allocator")
+    if allocator:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator  # read once, when CUDA starts in the child
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
