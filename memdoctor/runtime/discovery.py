@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memdoctor.capture.discovery import find_trained_roots, optimizer_params
 from memdoctor.runtime.patching import Undo, set_attr
@@ -26,12 +27,19 @@ from memdoctor.runtime.patching import Undo, set_attr
 
 class ModelWatch:
     """Calls ``on_model(root)`` for the first root, of an optimizer the script builds, that
-    ``accept(root)`` takes (False: not this one, keep looking; it may also stop the run)."""
+    ``accept(root)`` takes (False: not this one, keep looking; it may also stop the run); calls
+    ``on_missing()`` if an optimizer steps before any root was taken."""
 
-    def __init__(self, accept: Callable[[nn.Module], bool], on_model: Callable[[nn.Module], None]) -> None:
+    def __init__(
+        self,
+        accept: Callable[[nn.Module], bool],
+        on_model: Callable[[nn.Module], None],
+        on_missing: Callable[[], None],
+    ) -> None:
         self._accept = accept
         self._on_model = on_model
-        self._undo: Undo | None = None
+        self._on_missing = on_missing
+        self._undo: list[Undo] = []
         self.model: nn.Module | None = None
 
     def start(self) -> Undo:
@@ -43,13 +51,19 @@ class ModelWatch:
             if watch.model is None:
                 watch._built(opt)
 
-        self._undo = set_attr(torch.optim.Optimizer, "__init__", __init__)
+        def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            watch.stop()
+            watch._on_missing()
+
+        self._undo = [
+            set_attr(torch.optim.Optimizer, "__init__", __init__),
+            register_optimizer_step_pre_hook(first_step).remove,
+        ]
         return self.stop
 
     def stop(self) -> None:
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
+        while self._undo:
+            self._undo.pop()()
 
     def _built(self, opt: torch.optim.Optimizer) -> None:
         ids = {id(p) for p in optimizer_params(opt)}

@@ -58,7 +58,7 @@ class Installation:
     _undo: list[Undo] = field(default_factory=list)
     _loader: LoaderSettings | None = None
     _padding: PaddingTrim | None = None
-    _first_class: str | None = None
+    _first: nn.Module | None = None  # a root passed over for another model class
 
     def applied(self, line: str) -> None:
         self.lines.append(line)
@@ -102,14 +102,22 @@ class Installation:
         if all(n in names for n in self.config.checkpoint):
             return True
         other = self.config.provenance.model_class
-        if other and other != cls and self._first_class is None:
-            self._first_class = cls
-            return False  # another model of the script (a teacher, a critic); keep looking
+        if other and other != cls:
+            self._first = self._first or root
+            return False  # perhaps another model of the script (a critic); keep looking until a step
+        self._stale(root)
+        return False
+
+    def missing(self) -> None:
+        """An optimizer steps and no model matched the config: stop, naming what the config lacks."""
+        if self._first is not None:
+            self._stale(self._first)
+
+    def _stale(self, root: nn.Module) -> None:
         try:
-            check_modules(self.config, names, cls)
+            check_modules(self.config, [n for n, _ in root.named_modules()], type(root).__name__)
         except ConfigError as exc:
             self.fail(str(exc))
-        return False
 
     def on_model(self, root: nn.Module) -> None:
         self.model = root
@@ -227,7 +235,7 @@ def _install_now(inst: Installation) -> None:
             inst._undo.append(undo)
             inst.applied("padding: trim: each DataLoader batch cut to its longest attention-masked sequence")
     inst._undo.append(inst.backward.install())
-    watch = ModelWatch(inst.accept, inst.on_model)
+    watch = ModelWatch(inst.accept, inst.on_model, inst.missing)
     inst._undo.append(watch.start())
 
 
