@@ -176,6 +176,12 @@ def test_a_script_whose_model_returns_no_loss_defeats_micro_batching() -> None:
         run_script(PLAIN, ["--steps", "1", "--own-loss"], {"accumulation_steps": 2})
 
 
+def test_a_model_whose_forward_is_not_called_is_named() -> None:
+    """The optimizer trains a holder whose forward never runs (a LightningModule calling self.model)."""
+    with pytest.raises(ConfigError, match=r"precision: ModuleDict.forward, which memdoctor wraps, was not"):
+        run_script(PLAIN, ["--steps", "1", "--holder"], {"precision": "bf16"})
+
+
 def test_an_optimizer_swap_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="optimizer: offload: memdoctor run cannot"):
         run_script(PLAIN, ["--steps", "1"], {"optimizer": "offload"})

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memdoctor.config import PlanConfig, _from_mapping, check_modules
 from memdoctor.config_apply import _allocator, checkpoint_module
@@ -29,7 +30,7 @@ from memdoctor.runtime.discovery import ModelWatch
 from memdoctor.runtime.loader import LoaderSettings
 from memdoctor.runtime.microbatch import MicroBatching
 from memdoctor.runtime.padding import PaddingTrim
-from memdoctor.runtime.patching import Undo
+from memdoctor.runtime.patching import Undo, wrap_forward
 from memdoctor.runtime.precision import LossScaling, autocast_forward
 
 Say = Callable[[str], None]
@@ -133,9 +134,13 @@ class Installation:
             shown = " ".join(c.checkpoint[:_SHOWN_NAMES])
             more = f" and {len(c.checkpoint) - _SHOWN_NAMES} more" if len(c.checkpoint) > _SHOWN_NAMES else ""
             self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}{more}")
-        scaling = self._precision(root) if c.precision != "fp32" and self.ours("precision") else None
-        if c.accumulation_steps > 1 and self.ours("accumulation"):
+        precision = c.precision != "fp32" and self.ours("precision")
+        scaling = self._precision(root) if precision else None
+        accumulation = c.accumulation_steps > 1 and self.ours("accumulation")
+        if accumulation:
             self._micro_batching(root, scaling)
+        if precision or accumulation:
+            self._undo.append(_forward_called(self, root, "precision" if precision else "accumulation_steps"))
 
     def _refuse(self, root: nn.Module) -> None:
         c = self.config
@@ -189,6 +194,36 @@ class Installation:
             f"{type(root).__name__}.forward, gradients accumulated; the script's optimizer steps and "
             "LR schedule are unchanged"
         )
+
+
+def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
+    """Autocast and micro-batching wrap the model's forward: if the first optimizer step comes and it
+    was never called (a LightningModule whose training_step calls ``self.model`` directly), the part
+    did not apply, and the run stops naming it."""
+    calls = [0]
+    handle: Any = None
+
+    def count(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    def first_step(opt: Any, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        if not calls[0]:
+            inst.fail(
+                f"{part}: {type(root).__name__}.forward, which memdoctor wraps, was not called before "
+                "the first optimizer step (the script calls a submodule directly?); remove it from the "
+                "config, or apply it in code with memdoctor.apply"
+            )
+
+    undo = wrap_forward(root, count)
+    handle = register_optimizer_step_pre_hook(first_step)
+
+    def remove() -> None:
+        handle.remove()
+        undo()
+
+    return remove
 
 
 def install(

@@ -13,7 +13,8 @@ gradients of the unsplit batch.
 
 Needs: a model that computes its own loss (HF-style ``labels`` -> ``output.loss``; or a forward that
 returns the loss), a mean-reduced loss over samples (weights are each micro-batch's share of the
-samples), and a script that backpropagates that loss. Otherwise the run stops with a line naming
+samples; a loss divided by a count the caller passes, HF's ``num_items_in_batch``, is summed as is),
+and a script that backpropagates that loss. Otherwise the run stops with a line naming
 ``accumulation_steps``: a part of the plan is never silently dropped.
 """
 
@@ -104,6 +105,9 @@ class MicroBatching:
         except ConfigError as exc:
             self._fail(f"{exc} (memdoctor run splits the model's inputs)")
             return inner(*args, **kwargs)
+        if kwargs.get("num_items_in_batch") is not None:
+            # HF's loss over a count given by the caller: each micro-batch's loss is already its share
+            parts = [(part, 1.0) for part, _ in parts]
         self._note_size(parts)
         params = [p for p in self.model.parameters() if p.requires_grad]
         saved = [p.grad for p in params]

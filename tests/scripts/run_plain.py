@@ -71,10 +71,15 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--own-loss", action="store_true", help="compute the loss outside the model")
     p.add_argument("--exit", type=int, default=None)
+    p.add_argument(
+        "--holder", action="store_true", help="optimize a holder module, call its child (Lightning)"
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     model = TinyClassifier(with_loss=not args.own_loss)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # --holder: like a LightningModule around the network it calls
+    trained = nn.ModuleDict({"net": model}) if args.holder else model
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     loader = DataLoader(Data(args.steps * args.batch_size), batch_size=args.batch_size)
     losses, lrs, widths = [], [], []
