@@ -182,6 +182,13 @@ def test_a_model_whose_forward_is_not_called_is_named() -> None:
         run_script(PLAIN, ["--steps", "1", "--holder"], {"precision": "bf16"})
 
 
+def test_an_attention_implementation_the_model_cannot_take_is_named() -> None:
+    with pytest.raises(
+        ConfigError, match="attention: sdpa: cannot set it on this model: TinyClassifier has no"
+    ):
+        run_script(PLAIN, ["--steps", "1"], {"attention": "sdpa"})
+
+
 def test_an_optimizer_swap_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="optimizer: offload: memdoctor run cannot"):
         run_script(PLAIN, ["--steps", "1"], {"optimizer": "offload"})
