@@ -108,6 +108,23 @@ def test_a_script_that_divides_its_loss_still_gets_the_whole_batch_gradients(out
     assert grads_close(torch.load(out / "base.pt"), torch.load(out / "run.pt")) == []
 
 
+def test_gradients_already_in_grad_are_kept_apart(out: Path) -> None:
+    """A script that zeroes instead of freeing .grad: the earlier micro-batches wait aside, not in it."""
+    run_script(
+        PLAIN, ["--steps", "2", "--zeros", "--grads", str(out / "base.pt"), "--out", str(out / "b.json")]
+    )
+    args = ["--steps", "2", "--zeros", "--grads", str(out / "run.pt"), "--out", str(out / "r.json")]
+    run_script(PLAIN, args, {"accumulation_steps": 2})
+    assert grads_close(torch.load(out / "base.pt"), torch.load(out / "run.pt")) == []
+    base, run = json.loads((out / "b.json").read_text()), json.loads((out / "r.json").read_text())
+    assert abs(base["losses"][1] - run["losses"][1]) < 1e-5
+
+
+def test_a_training_forward_never_backpropagated_stops_the_run() -> None:
+    with pytest.raises(ConfigError, match="accumulation_steps: a training-mode forward's loss was never"):
+        run_script(PLAIN, ["--steps", "2", "--peek"], {"accumulation_steps": 2})
+
+
 def test_accelerate_loop_keeps_the_gradients(out: Path) -> None:
     run_script(ACCELERATE, ["--steps", "1", "--grads", str(out / "base.pt")])
     config = {"checkpoint": ["bert.encoder.layer.0", "bert.encoder.layer.1"], "accumulation_steps": 4}

@@ -4,12 +4,12 @@ Where the split happens, and why there: the script's loop must keep its iteratio
 and its LR schedule, so the batch is split inside the root model's forward, not in the loader. The
 forward runs micro-batches 1..k-1 *and their backward* there (freeing their activations), then runs
 micro-batch k and returns its output, whose ``loss`` is the full batch's (the size-weighted mean of the
-micro-batch losses). The gradients of micro-batches 1..k-1 are held aside, not left in ``.grad``: when
-the script backpropagates the returned loss (scaled, divided by its own accumulation count, or any
-function of it), the gradient arriving at that loss tells how the script used it, and the held
-gradients are added times that factor once its backward ends. So the sum is the chain rule's for the
-whole batch: ``loss.backward()``, ``(loss / n).backward()`` and ``accelerator.backward(loss)`` all get the
-gradients of the unsplit batch.
+micro-batch losses). The gradients of micro-batches 1..k-1 wait in ``.grad`` (or aside, see
+``_Pending``): when the script backpropagates the returned loss (scaled, divided by its own
+accumulation count, or any function of it), the gradient arriving at that loss tells how the script
+used it, and they are multiplied by it before micro-batch k's gradients are accumulated onto them. So
+the sum is the chain rule's for the whole batch: ``loss.backward()``, ``(loss / n).backward()`` and
+``accelerator.backward(loss)`` all get the gradients of the unsplit batch.
 
 Needs: a model that computes its own loss (HF-style ``labels`` -> ``output.loss``; or a forward that
 returns the loss), a mean-reduced loss over samples (weights are each micro-batch's share of the
@@ -37,15 +37,47 @@ MAX_KEPT_BYTES = 256 << 20  # earlier micro-batches' outputs (logits) kept for t
 
 @dataclass
 class _Pending:
-    """Gradients of micro-batches 1..k-1, waiting for the script's backward of the returned loss."""
+    """Gradients of micro-batches 1..k-1, waiting for the script's backward of the returned loss.
+
+    ``held`` is None when they are in ``.grad`` (the common case: ``.grad`` was empty before the
+    split, as after ``zero_grad()``): then the gradient arriving at the returned loss scales them in
+    place, before micro-batch k's gradients are accumulated onto them, so accumulation costs no memory
+    beyond the gradients themselves. Otherwise (the script accumulates across iterations) they are held
+    apart and added when the backward ends, at the cost of one more set of gradients meanwhile.
+    """
 
     params: list[nn.Parameter]
-    held: list[torch.Tensor | None]
+    held: list[torch.Tensor | None] | None
+    unscale: Callable[[torch.Tensor], torch.Tensor] | None
     grad: list[torch.Tensor] = field(default_factory=list)  # d(script's loss)/d(returned loss)
+
+    def arrived(self, grad: torch.Tensor) -> None:
+        self.grad.append(grad)
+        if self.held is None:
+            _scale_all([p.grad for p in self.params if p.grad is not None], self.factor())
+
+    def factor(self) -> torch.Tensor:
+        """How the script's backward weighs the returned loss (a device tensor: no sync)."""
+        factor = self.grad[0].detach()
+        if self.unscale is not None:  # both the earlier and the new gradients carry the loss scale
+            factor = factor / self.unscale(factor)
+        return factor
+
+
+def _scale_all(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient by ``factor`` in place: one fused launch where torch has it."""
+    if not grads:
+        return
+    try:
+        torch._foreach_mul_(grads, factor)  # public since torch 2.0 in all but name; fallback below
+    except (AttributeError, RuntimeError, TypeError):
+        for g in grads:
+            g.mul_(factor.to(g.dtype))
 
 
 class _JoinedLoss(torch.autograd.Function):
-    """Value: the whole batch's loss. Backward: micro-batch k's share, and records the incoming grad."""
+    """Value: the whole batch's loss. Backward: micro-batch k's share; and the incoming gradient, which
+    scales micro-batches 1..k-1's gradients (``_Pending.arrived``), before micro-batch k's arrive."""
 
     @staticmethod
     def forward(ctx: Any, last: torch.Tensor, weight: float, earlier: torch.Tensor, pending: _Pending) -> Any:
@@ -55,7 +87,7 @@ class _JoinedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.pending.grad.append(grad)
+        ctx.pending.arrived(grad)
         return grad * ctx.weight, None, None, None
 
 
@@ -99,7 +131,7 @@ class MicroBatching:
     def _forward(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and self.model.training):
             return inner(*args, **kwargs)  # evaluation: nothing to accumulate
-        self._pending = None  # a split whose loss was never backpropagated (a training-mode eval)
+        self._never_backpropagated()
         try:
             parts = list(split_batch((args, kwargs), self.parts))
         except ConfigError as exc:
@@ -111,21 +143,38 @@ class MicroBatching:
         self._note_size(parts)
         params = [p for p in self.model.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
+        in_place = all(g is None for g in saved)
         for p in params:
             p.grad = None
         try:
             earlier, outputs = self._run_earlier(inner, parts[:-1])
+        except BaseException:
+            for p, g in zip(params, saved, strict=True):
+                p.grad = g
+            raise
+        held = None
+        if not in_place:
             held = [p.grad for p in params]
-        finally:
             for p, g in zip(params, saved, strict=True):
                 p.grad = g
         (last_args, last_kwargs), weight = parts[-1]
         out = inner(*last_args, **last_kwargs)
         loss = self._loss_of(out)
-        self._pending = _Pending(params, held)
+        self._pending = _Pending(params, held, self._current_scale)
         joined = _JoinedLoss.apply(loss, weight, earlier, self._pending)
         self.splits += 1
         return self._merged(out, outputs, joined)
+
+    def _never_backpropagated(self) -> None:
+        """A training forward whose loss was never backpropagated left its earlier micro-batches'
+        gradients in ``.grad``: they would join the next step's, so stop, naming the part."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.held is None and not pending.grad:
+            self._fail(
+                "accumulation_steps: a training-mode forward's loss was never backpropagated, and its "
+                "earlier micro-batches' gradients are in .grad; run evaluation under torch.no_grad() or "
+                "model.eval(), or remove accumulation_steps from the config"
+            )
 
     def _run_earlier(self, inner: Callable[..., Any], parts: list[Any]) -> tuple[torch.Tensor, list[Any]]:
         total: torch.Tensor | None = None
@@ -164,9 +213,9 @@ class MicroBatching:
                 "accumulation_steps from the config, or apply it in code with memdoctor.apply"
             )
             return
-        factor = pending.grad[0].detach()
-        if self._current_scale is not None:  # both the held and the new gradients carry the scale
-            factor = factor / self._current_scale(factor)
+        if pending.held is None:
+            return  # scaled in place when the gradient arrived
+        factor = pending.factor()
         for p, g in zip(pending.params, pending.held, strict=True):
             if g is None:
                 continue

@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--own-loss", action="store_true", help="compute the loss outside the model")
     p.add_argument("--exit", type=int, default=None)
+    p.add_argument("--zeros", action="store_true", help="zero_grad(set_to_none=False)")
+    p.add_argument("--peek", action="store_true", help="a training-mode forward it never backpropagates")
     p.add_argument(
         "--holder", action="store_true", help="optimize a holder module, call its child (Lightning)"
     )
@@ -83,8 +85,14 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     loader = DataLoader(Data(args.steps * args.batch_size), batch_size=args.batch_size)
     losses, lrs, widths = [], [], []
+    if args.zeros:  # gradients exist (zeros) before the first backward
+        optimizer.zero_grad(set_to_none=False)
+        for q in model.parameters():
+            q.grad = torch.zeros_like(q)
     for step, batch in enumerate(loader):
         widths.append(batch["input_ids"].shape[1])
+        if args.peek:
+            model(**batch)
         if args.own_loss:
             logits = model(batch["input_ids"], batch["attention_mask"])
             loss = nn.functional.cross_entropy(logits, batch["labels"])
@@ -97,7 +105,7 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not args.zeros)
         losses.append(loss.item())
         lrs.append(scheduler.get_last_lr()[0])
     if args.out:
