@@ -176,6 +176,15 @@ def test_fp16_scales_the_loss_without_the_script_calling_a_grad_scaler(
     assert max(abs(a - b) for a, b in zip(base["losses"], run["losses"], strict=True)) < LOSS_TOLERANCE
 
 
+def test_fp16_with_a_closure_step(out: Path) -> None:
+    """``optimizer.step(closure)`` (Lightning's shape): GradScaler takes no closure, so it runs first."""
+    run_script(PLAIN, ["--steps", "5", "--out", str(out / "base.json")])
+    run_script(PLAIN, ["--steps", "5", "--closure", "--out", str(out / "run.json")], {"precision": "fp16"})
+    base, run = json.loads((out / "base.json").read_text()), json.loads((out / "run.json").read_text())
+    assert run["steps"] == 5
+    assert max(abs(a - b) for a, b in zip(base["losses"], run["losses"], strict=True)) < LOSS_TOLERANCE
+
+
 # ----------------------------------------------------------------------------------------- bad input
 
 
@@ -195,7 +204,8 @@ def test_a_script_whose_model_returns_no_loss_defeats_micro_batching() -> None:
 
 def test_a_model_whose_forward_is_not_called_is_named() -> None:
     """The optimizer trains a holder whose forward never runs (a LightningModule calling self.model)."""
-    with pytest.raises(ConfigError, match=r"precision: ModuleDict.forward, which memdoctor wraps, was not"):
+    match = r"precision: ModuleDict.forward, which memdoctor wraps, was not called"
+    with pytest.raises(ConfigError, match=match):
         run_script(PLAIN, ["--steps", "1", "--holder"], {"precision": "bf16"})
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memdoctor.config import PlanConfig, _from_mapping, check_modules
 from memdoctor.config_apply import _allocator, checkpoint_module
@@ -79,8 +79,8 @@ class Installation:
         notes = []
         if self.model is None and self._needs_model():
             notes.append(
-                "NOT applied: no model ran a training forward (a module with trainable parameters, "
-                "gradients enabled), so checkpoint, precision and accumulation had nothing to apply to"
+                "NOT applied: the script built no optimizer of a model, so checkpoint, precision and "
+                "accumulation had nothing to apply to"
             )
         if self._loader is not None:
             notes.append(self._loader.summary())
@@ -168,6 +168,7 @@ class Installation:
             return None
         scaling = LossScaling(c.grad_scaler, root, self.fail)
         self._undo.append(scaling.install())
+        scaling.attach()
         self.backward.scale = scaling.scale
         self.applied(
             f"autocast fp16 with loss scaling around {type(root).__name__}.forward (torch.amp.GradScaler, "
@@ -197,9 +198,9 @@ class Installation:
 
 
 def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
-    """Autocast and micro-batching wrap the model's forward: if the first optimizer step comes and it
+    """Autocast and micro-batching wrap the model's forward: if the first optimizer step ends and it
     was never called (a LightningModule whose training_step calls ``self.model`` directly), the part
-    did not apply, and the run stops naming it."""
+    did not apply to that step, and the run stops naming it before the next."""
     calls = [0]
     handle: Any = None
 
@@ -211,13 +212,14 @@ def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
         handle.remove()
         if not calls[0]:
             inst.fail(
-                f"{part}: {type(root).__name__}.forward, which memdoctor wraps, was not called before "
-                "the first optimizer step (the script calls a submodule directly?); remove it from the "
+                f"{part}: {type(root).__name__}.forward, which memdoctor wraps, was not called in the "
+                "first optimizer step (the script calls a submodule directly?); remove it from the "
                 "config, or apply it in code with memdoctor.apply"
             )
 
     undo = wrap_forward(root, count)
-    handle = register_optimizer_step_pre_hook(first_step)
+    # after the step: an optimizer step with a closure (Lightning) runs the forward inside it
+    handle = register_optimizer_step_post_hook(first_step)
 
     def remove() -> None:
         handle.remove()

@@ -43,8 +43,8 @@ def autocast_forward(model: nn.Module, precision: str) -> Undo:
 
 
 class LossScaling:
-    """fp16 loss scaling for ``model``'s optimizers (found, and the GradScaler made, at the first
-    scaled backward)."""
+    """fp16 loss scaling for ``model``'s optimizers (patched when the model is found, and again at the
+    first backward for any built since; the GradScaler is made at the first backward)."""
 
     def __init__(self, settings: GradScalerSettings, model: nn.Module, fail: Callable[[str], None]) -> None:
         self.settings = settings
@@ -68,27 +68,31 @@ class LossScaling:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current scale (a device tensor: no host sync)."""
         if self.scaler is None:
-            self._attach()
-        assert self.scaler is not None
+            s = self.settings
+            self.scaler = torch.amp.GradScaler(  # now: the model is on the device it trains on
+                device_type(self.model), init_scale=s.init_scale, growth_interval=s.growth_interval
+            )
+            self.attach()  # optimizers built since the model was found
+            if not self.optimizers:
+                self._fail(
+                    "precision: fp16: no optimizer of the model exists at its first backward, so "
+                    "memdoctor cannot drive loss scaling; build the optimizer before training, or use "
+                    "precision: bf16"
+                )
         return self.scaler.scale(loss)
 
     def current_scale(self, like: torch.Tensor) -> torch.Tensor:
         assert self.scaler is not None
         return self.scaler.scale(torch.ones((), dtype=torch.float32, device=like.device))
 
-    def _attach(self) -> None:
-        s = self.settings
-        self.scaler = torch.amp.GradScaler(
-            device_type(self.model), init_scale=s.init_scale, growth_interval=s.growth_interval
-        )
-        self.optimizers = optimizers_of(self.model)
-        if not self.optimizers:
-            self._fail(
-                "precision: fp16: no optimizer of the model exists at its first backward, so memdoctor "
-                "cannot drive loss scaling; build the optimizer before training, or use precision: bf16"
-            )
-        for opt in self.optimizers:
-            self._undo.append(self._patch_step(opt))
+    def attach(self) -> None:
+        """Drive the GradScaler from the ``step`` of each optimizer of the model not yet patched. Called
+        when the model is found (its optimizer was just built), so that even a first ``step(closure)``
+        whose closure runs the first backward (Lightning) goes through the GradScaler."""
+        for opt in optimizers_of(self.model):
+            if all(o is not opt for o in self.optimizers):
+                self.optimizers.append(opt)
+                self._undo.append(self._patch_step(opt))
 
     def _patch_step(self, opt: torch.optim.Optimizer) -> Undo:
         original = opt.step
@@ -97,15 +101,27 @@ class LossScaling:
         def step(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if scaling._stepping:  # GradScaler.step calling the optimizer's own step
                 return original(*args, **kwargs)
+            closure = kwargs.pop("closure", None) or (args[0] if args else None)
             scaling._stepping = True
             try:
+                # GradScaler takes no closure (Lightning passes one: forward + backward): run it first,
+                # as Lightning's own mixed-precision plugin does, then step on its gradients
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
                 scaler = scaling.scaler
-                assert scaler is not None  # attached at the first backward, before any step
-                out = scaler.step(self_opt, *args, **kwargs)
-                scaler.update()
+                if scaler is None:  # no backward yet: nothing is scaled
+                    out = original() if closure is not None else original(*args, **kwargs)
+                elif closure is not None:
+                    out = scaler.step(self_opt)
+                else:
+                    out = scaler.step(self_opt, *args, **kwargs)
+                if scaler is not None:
+                    scaler.update()
             finally:
                 scaling._stepping = False
-            return out
+            return loss if closure is not None else out
 
         # An LR scheduler built before marked the step it wrapped; keep the mark, or it warns that the
         # step was overridden. A bound method, so that a scheduler built later can wrap it the same way.

@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--own-loss", action="store_true", help="compute the loss outside the model")
     p.add_argument("--exit", type=int, default=None)
+    p.add_argument("--closure", action="store_true", help="optimizer.step(closure), as Lightning does")
     p.add_argument("--zeros", action="store_true", help="zero_grad(set_to_none=False)")
     p.add_argument("--peek", action="store_true", help="a training-mode forward it never backpropagates")
     p.add_argument(
@@ -93,6 +94,19 @@ def main() -> None:
         widths.append(batch["input_ids"].shape[1])
         if args.peek:
             model(**batch)
+        if args.closure:
+
+            def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = model(**batch)["loss"]
+                loss.backward()
+                return loss
+
+            loss = optimizer.step(closure)
+            scheduler.step()
+            losses.append(loss.item())
+            lrs.append(scheduler.get_last_lr()[0])
+            continue
         if args.own_loss:
             logits = model(batch["input_ids"], batch["attention_mask"])
             loss = nn.functional.cross_entropy(logits, batch["labels"])
