@@ -99,6 +99,13 @@ def test_checkpointing_and_accumulation_keep_the_gradients(out: Path) -> None:
     assert grads_close(torch.load(out / "base.pt"), torch.load(out / "run.pt")) == []
 
 
+def test_a_batch_smaller_than_the_split_runs_whole(out: Path) -> None:
+    run_script(PLAIN, ["--steps", "1", "--batch-size", "3", "--grads", str(out / "base.pt")])
+    args = ["--steps", "1", "--batch-size", "3", "--grads", str(out / "run.pt")]
+    run_script(PLAIN, args, {"accumulation_steps": 4})
+    assert grads_close(torch.load(out / "base.pt"), torch.load(out / "run.pt")) == []
+
+
 def test_a_script_that_divides_its_loss_still_gets_the_whole_batch_gradients(out: Path) -> None:
     """The held micro-batch gradients follow what the script did with the loss (here: loss / 4)."""
     run_script(PLAIN, ["--steps", "1", "--divide", "4", "--grads", str(out / "base.pt")])

@@ -132,6 +132,9 @@ class MicroBatching:
         if not (torch.is_grad_enabled() and self.model.training):
             return inner(*args, **kwargs)  # evaluation: nothing to accumulate
         self._never_backpropagated()
+        sizes = {t.shape[0] for t in _leaves((args, kwargs)) if t.dim() > 0}
+        if len(sizes) == 1 and sizes.pop() < self.parts:
+            return inner(*args, **kwargs)  # an epoch's short last batch: smaller than one split needs
         try:
             parts = list(split_batch((args, kwargs), self.parts))
         except ConfigError as exc:
