@@ -338,3 +338,16 @@ def test_profile_with_a_config_records_it_in_the_trace(tmp_path: Path) -> None:
     applied = [e["message"] for e in trace.events if e["kind"] == "config_applied"]
     assert applied[0] == "checkpointing 1 modules of TinyClassifier: layers.0"
     assert applied[1].startswith("micro-batching: each batch split into 2")
+
+
+def test_profile_with_a_config_that_cannot_apply_ends_as_config_error(tmp_path: Path) -> None:
+    from memdoctor.trace import load_trace
+
+    cfg = tmp_path / "memdoctor.yaml"
+    cfg.write_text("memdoctor_config: 1\ncheckpoint: [encoder.layer.0]\n")
+    args = ["--config", str(cfg), "--steps", "2", "--collect", "none", "-o", str(tmp_path / "report")]
+    proc = memdoctor_cli("profile", *args, str(PLAIN), "--", "--steps", "4")
+    assert proc.returncode == 2, proc.stderr
+    assert "memdoctor: error: config names modules this model lacks: 'encoder.layer.0'" in proc.stderr
+    trace = load_trace(tmp_path / "report" / "trace.jsonl.gz")
+    assert trace.end is not None and trace.end["status"] == "config_error"

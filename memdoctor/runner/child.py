@@ -22,6 +22,8 @@ import traceback
 import types
 from typing import Any
 
+from memdoctor.errors import ConfigError
+
 ENV_VAR = "MEMDOCTOR_CHILD"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memdoctor/
 EXIT_STOPPED = 0
@@ -132,6 +134,11 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         where = _close(session)
         writer.write(_event("interrupted", "interrupted (Ctrl-C)", where))
         return 130
+    except ConfigError as exc:  # --config: a part of the plan cannot apply to this script
+        where = _close(session)
+        writer.write(_event("config_error", str(exc), where))
+        print(f"memdoctor: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except BaseException as exc:  # the user's script failed: record it, show it, and exit non-zero
         where = _close(session)
         kind = "oom" if _is_oom(exc) else "exception"

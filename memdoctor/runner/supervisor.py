@@ -231,6 +231,8 @@ def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
         )
     if kind == "interrupted" or outcome.interrupted:
         return "interrupted", exitcodes.INTERRUPTED, f"interrupted (Ctrl-C) after {steps} complete steps"
+    if kind == "config_error":
+        return "config_error", exitcodes.USAGE_ERROR, f"the plan could not be applied: {last['message']}"
     if kind == "oom":
         return "oom", exitcodes.OUT_OF_MEMORY, _where_message("ran out of memory", last, steps)
     if kind == "exception":
@@ -279,10 +281,14 @@ def _where_message(what: str, ev: dict[str, Any], steps: int) -> str:
     return " ".join(parts) + f" ({steps} complete steps recorded)"
 
 
+_TERMINAL_KINDS = frozenset(
+    ("stopped", "interrupted", "oom", "exception", "script_finished", "script_exit", "config_error")
+)
+
+
 def _terminal_event(trace: Trace) -> dict[str, Any] | None:
-    terminal = {"stopped", "interrupted", "oom", "exception", "script_finished", "script_exit"}
     for ev in reversed(trace.events):
-        if ev.get("kind") in terminal:
+        if ev.get("kind") in _TERMINAL_KINDS:
             return ev
     return None
 
