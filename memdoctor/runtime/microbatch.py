@@ -189,6 +189,7 @@ class MicroBatching:
             self.backward.raw(self._scale(part) if self._scale is not None else part)
             total = part.detach() if total is None else total + part.detach()
             outputs.append(_detached(out))
+            del out, loss, part  # this micro-batch's outputs are not alive during the next one's forward
         assert total is not None
         return total, outputs
 
