@@ -300,6 +300,12 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     rounds = "with --verify: at most N verified runs (re-plans) when a plan does not fit (default: 3)"
     p.add_argument("--verify-rounds", type=_arg_type(_count(1)), default=3, metavar="N", help=rounds)
     p.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="profile with a memdoctor.yaml plan applied, as `memdoctor run` applies it (docs/config.md)",
+    )
+    p.add_argument(
         "--time-depth",
         type=_arg_type(_time_depth),
         default=None,
@@ -311,12 +317,7 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
 
 
 def profile_command(ns: argparse.Namespace) -> int:
-    if ns.module is not None:
-        check_module_name(ns.module)
-    elif ns.script is not None:
-        check_script(Path(ns.script))
-    else:
-        raise UsageError(f"give the script to profile ({PROG} profile train.py) or a module with -m MODULE")
+    _check_target(ns, "profile")
     _warn_about_passed_options(ns)
     out = profile_output_dir(ns.output, force=ns.force)
     if out.note:
@@ -335,6 +336,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         detail=ns.detail,
         collect=ns.collect,
         progress=importlib.import_module("memdoctor.runner.progress").wanted(),
+        config=None if ns.config is None else _config_mapping(ns.config),
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     _say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
@@ -389,7 +391,15 @@ _MEMDOCTOR_PROFILE_OPTIONS = (
     "--collect",
     "--verify",
     "--verify-rounds",
+    "--config",
 )
+
+
+def _config_mapping(path: Path) -> dict[str, Any]:
+    """The validated config as the mapping the child installs (a bad config stops here, exit 2)."""
+    from memdoctor.config import load_config
+
+    return load_config(path).as_dict()
 
 
 def _collectors(text: str) -> list[str]:
@@ -487,6 +497,56 @@ def check_syntax(path: Path) -> None:
 def check_module_name(name: str) -> None:
     if not name or not all(part.isidentifier() for part in name.split(".")):
         raise UsageError(f"{name!r} is not a module name; -m takes a dotted name such as mypackage.train")
+
+
+# ----------------------------------------------------------------------------------------- run
+
+_RUN_USAGE = f"{PROG} run --config PATH [options] (SCRIPT | -m MODULE) [--] [SCRIPT ARGS ...]"
+_RUN_EPILOG = f"""\
+examples:
+  {PROG} run --config memdoctor-report/memdoctor.yaml train.py -- --batch-size 32
+  {PROG} run --config memdoctor.yaml -m mypackage.train --epochs 3
+
+Runs the script to its end with the plan applied at runtime (the script is not edited); one line per
+applied part is printed at the start. A part that cannot be applied stops the run with one line naming
+it (exit code 2). Otherwise the exit code is the script's. How each part is applied: docs/config.md.
+"""
+
+
+def configure_run(p: argparse.ArgumentParser) -> None:
+    p.usage = _RUN_USAGE
+    p.epilog = _RUN_EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script, run as `python SCRIPT`")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module instead, as `python -m MODULE`")
+    p.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="the plan: a memdoctor.yaml (docs/config.md)",
+    )
+
+
+def run_command(ns: argparse.Namespace) -> int:
+    from memdoctor.config import load_config
+
+    config = load_config(ns.config)
+    _check_target(ns, "run")
+    launch = importlib.import_module("memdoctor.runtime.launch")
+    _say(launch.describe(config, ns.config))
+    return int(launch.run_script(config, None if ns.module else ns.script, ns.module, list(ns.script_args)))
+
+
+def _check_target(ns: argparse.Namespace, command: str) -> None:
+    if ns.module is not None:
+        check_module_name(ns.module)
+    elif ns.script is not None:
+        check_script(Path(ns.script))
+    else:
+        raise UsageError(
+            f"give the script to {command} ({PROG} {command} train.py) or a module with -m MODULE"
+        )
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -933,6 +993,13 @@ COMMANDS: list[Command] = [
         "run a training script for a few steps and write its per-layer memory report",
         configure_profile,
         profile_command,
+        passes_args_through=True,
+    ),
+    Command(
+        "run",
+        "run a training script to its end with a memdoctor.yaml plan applied, unmodified",
+        configure_run,
+        run_command,
         passes_args_through=True,
     ),
     Command(

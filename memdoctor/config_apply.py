@@ -26,7 +26,7 @@ import contextlib
 import functools
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class Applied:
                 init_scale=config.grad_scaler.init_scale,
                 growth_interval=config.grad_scaler.growth_interval,
             )
-        self._restore: list[tuple[torch.nn.Module, Any]] = []
+        self._undo: list[Callable[[], None]] = []
 
     def __iter__(self) -> Iterator[Any]:
         """``model, optimizer, loader = memdoctor.apply(...)`` (the same objects, changed in place)."""
@@ -92,25 +92,35 @@ class Applied:
 
     def remove(self) -> None:
         """Undo the checkpointing wrappers: the model's modules are as they were."""
-        while self._restore:
-            module, previous = self._restore.pop()
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
+        while self._undo:
+            self._undo.pop()()
 
     def _checkpoint(self, module: torch.nn.Module) -> None:
-        previous = module.__dict__.get("forward")
-        original = module.forward
+        self._undo.append(checkpoint_module(module))
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
-                return original(*args, **kwargs)
-            return torch_checkpoint(original, *args, use_reentrant=False, **kwargs)
 
-        module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
-        self._restore.append((module, previous))
+def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
+    """Recompute ``module``'s forward in backward (non-reentrant ``torch.utils.checkpoint``); return the
+    undo. The wrapper is an instance attribute, which ``nn.Module.__call__`` finds before the class's
+    ``forward``; under ``torch.no_grad()`` the module runs unwrapped (nothing is saved to recompute)."""
+    previous = module.__dict__.get("forward")
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
+            return original(*args, **kwargs)
+        return torch_checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+    def undo() -> None:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+    return undo
 
 
 def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loader: Any = None) -> Applied:

@@ -415,6 +415,7 @@ def _with_defaults(header: dict[str, Any]) -> dict[str, Any]:
         value = header.get(key)
         header[key] = {**defaults, **value} if isinstance(value, dict) else dict(defaults)
     header.setdefault("not_measured", [])
+    header.setdefault("applied_config", None)
     return header
 
 

@@ -67,6 +67,7 @@ HEADER = {
     "not_measured": _list_of(_str),
     "memdoctor_version": _str,
     "environment": _dict_of(_str),
+    "applied_config": lambda v: v is None or isinstance(v, dict),
 }
 EVENT = {
     "kind": _str,

@@ -93,6 +93,13 @@ _PATCHABLE = (
     ("lightning.pytorch.trainer.connectors.data_connector", "_DataConnector"),
     ("pytorch_lightning.trainer.trainer", "Trainer"),
     ("pytorch_lightning.trainer.connectors.data_connector", "_DataConnector"),
+    ("torch.optim.optimizer", "Optimizer"),  # memdoctor run: the model is found at optimizer construction
+)
+# Module functions memdoctor run replaces (memdoctor.runtime): (module, function).
+_MODULE_FUNCTIONS = (
+    ("torch.autograd", "backward"),
+    ("torch.nn.utils", "clip_grad_norm_"),
+    ("torch.nn.utils", "clip_grad_value_"),
 )
 
 
@@ -102,6 +109,9 @@ def patchable_snapshot() -> dict[tuple[str, str, str], Any]:
     torch = sys.modules.get("torch")
     for name in _TORCH_FUNCTIONS if torch is not None else ():
         out[("torch", "", name)] = vars(torch).get(name)
+    for mod_name, name in _MODULE_FUNCTIONS:
+        if mod_name in sys.modules:
+            out[(mod_name, "", name)] = vars(sys.modules[mod_name]).get(name)
     for mod_name, attr in _PATCHABLE:
         owner = getattr(sys.modules.get(mod_name), attr, None)
         if owner is None:

@@ -22,6 +22,8 @@ import traceback
 import types
 from typing import Any
 
+from memdoctor.errors import ConfigError
+
 ENV_VAR = "MEMDOCTOR_CHILD"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memdoctor/
 EXIT_STOPPED = 0
@@ -34,9 +36,14 @@ def main() -> int:
     from memdoctor.trace import TraceWriter
 
     writer = TraceWriter(cfg["trace_path"])
+    header_written: list[bool] = []
+    installation = _install_config(cfg, writer, header_written)  # before CUDA starts (the allocator)
     device = default_device()
     collectors, header = start_run(cfg, device)
     writer.write(header)
+    header_written.append(True)
+    for line in installation.lines if installation is not None else []:
+        writer.write(_event("config_applied", line, None))
 
     def stop() -> None:
         writer.write(_event("stopped", f"stopped after {session.steps_recorded} steps, as requested", None))
@@ -58,6 +65,22 @@ def main() -> int:
     code = _run(cfg, session, writer)
     writer.close()
     return code
+
+
+def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool]) -> Any:
+    """``--config``: the plan installed as ``memdoctor run`` installs it (``memdoctor.runtime.install``);
+    each part applied later (when the script builds its optimizer) is an event ``config_applied``, and
+    a part that cannot apply raises ``ConfigError`` into the script, recorded as its exception."""
+    if not cfg.get("config"):
+        return None
+    from memdoctor.runtime.install import install, say_stderr
+
+    def say(line: str) -> None:
+        say_stderr(line)
+        if header_written:  # the earlier lines are written after the header
+            writer.write(_event("config_applied", line, None))
+
+    return install(cfg["config"], say=say)
 
 
 def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -88,6 +111,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
         device=described,
         not_measured=device.not_measured() + unavailable,
         collectors=[c.name for c in collectors],
+        applied_config=cfg.get("config"),
     )
     return collectors, header
 
@@ -110,6 +134,11 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         where = _close(session)
         writer.write(_event("interrupted", "interrupted (Ctrl-C)", where))
         return 130
+    except ConfigError as exc:  # --config: a part of the plan cannot apply to this script
+        where = _close(session)
+        writer.write(_event("config_error", str(exc), where))
+        print(f"memdoctor: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except BaseException as exc:  # the user's script failed: record it, show it, and exit non-zero
         where = _close(session)
         kind = "oom" if _is_oom(exc) else "exception"

@@ -127,6 +127,9 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
     }
     env = dict(os.environ)
     env[ENV_VAR] = json.dumps(cfg)
+    allocator = (req.config or {}).get("allocator")
+    if allocator:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator  # read once, when CUDA starts in the child
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -230,6 +233,8 @@ def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
         )
     if kind == "interrupted" or outcome.interrupted:
         return "interrupted", exitcodes.INTERRUPTED, f"interrupted (Ctrl-C) after {steps} complete steps"
+    if kind == "config_error":
+        return "config_error", exitcodes.USAGE_ERROR, f"the plan could not be applied: {last['message']}"
     if kind == "oom":
         return "oom", exitcodes.OUT_OF_MEMORY, _where_message("ran out of memory", last, steps)
     if kind == "exception":
@@ -278,10 +283,14 @@ def _where_message(what: str, ev: dict[str, Any], steps: int) -> str:
     return " ".join(parts) + f" ({steps} complete steps recorded)"
 
 
+_TERMINAL_KINDS = frozenset(
+    ("stopped", "interrupted", "oom", "exception", "script_finished", "script_exit", "config_error")
+)
+
+
 def _terminal_event(trace: Trace) -> dict[str, Any] | None:
-    terminal = {"stopped", "interrupted", "oom", "exception", "script_finished", "script_exit"}
     for ev in reversed(trace.events):
-        if ev.get("kind") in terminal:
+        if ev.get("kind") in _TERMINAL_KINDS:
             return ev
     return None
 

@@ -1,6 +1,11 @@
 """Applying a ``memdoctor.yaml`` to an unmodified training script, at runtime (``memdoctor run``).
 
-On merge, the ``run`` branch's version of this file wins (this copy holds only ``FrameworkPatch``).
+``memdoctor.runtime.install.install(config)`` patches this process so that the script, when it runs,
+trains with the plan: each part is an installer with an undo (``memdoctor/runtime/*.py``), and the
+model, its optimizer and its batches are found as the script creates and uses them
+(``memdoctor.runtime.discovery``). How each part is applied, and its limits: docs/config.md, "How
+memdoctor run applies each part". This ``__init__`` imports no torch, so ``memdoctor run``'s parent
+process starts fast.
 """
 
 from __future__ import annotations

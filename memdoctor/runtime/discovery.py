@@ -1,0 +1,90 @@
+"""Finding the script's model and optimizer while it runs, without the user telling us.
+
+The profiler finds the trained model at the first optimizer step (``memdoctor.capture.discovery``): the
+root modules owning the parameters an optimizer steps. That is too late here: checkpointing and
+autocast must be in place for the first forward (the one that runs out of memory), and a module's own
+forward pre-hook is too late for its first call too (``nn.Module.__call__`` has already chosen the
+forward to run). So the same rule is applied one moment earlier, when the script *builds* its optimizer
+(``torch.optim.Optimizer.__init__``, which every optimizer calls, wrapped for the run): every plain,
+HF-accelerate and Lightning loop builds it before its first training step. The wrapper is removed once
+the model is found, and its optimizers are looked up again at the first backward (``optimizers_of``),
+when the script has built (and accelerate has wrapped) them all.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from memdoctor.capture.discovery import find_trained_roots, optimizer_params
+from memdoctor.runtime.patching import Undo, set_attr
+
+
+class ModelWatch:
+    """Calls ``on_model(root)`` for the first root, of an optimizer the script builds, that
+    ``accept(root)`` takes (False: not this one, keep looking; it may also stop the run); calls
+    ``on_missing()`` if an optimizer steps before any root was taken."""
+
+    def __init__(
+        self,
+        accept: Callable[[nn.Module], bool],
+        on_model: Callable[[nn.Module], None],
+        on_missing: Callable[[], None],
+    ) -> None:
+        self._accept = accept
+        self._on_model = on_model
+        self._on_missing = on_missing
+        self._undo: list[Undo] = []
+        self.model: nn.Module | None = None
+
+    def start(self) -> Undo:
+        original = torch.optim.Optimizer.__init__
+        watch = self
+
+        def __init__(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            original(opt, *args, **kwargs)
+            if watch.model is None:
+                watch._built(opt)
+
+        def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            watch.stop()
+            watch._on_missing()
+
+        self._undo = [
+            set_attr(torch.optim.Optimizer, "__init__", __init__),
+            register_optimizer_step_pre_hook(first_step).remove,
+        ]
+        return self.stop
+
+    def stop(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _built(self, opt: torch.optim.Optimizer) -> None:
+        ids = {id(p) for p in optimizer_params(opt)}
+        for root in find_trained_roots(ids):
+            if self._accept(root):
+                self.model = root
+                self.stop()
+                self._on_model(root)
+                return
+
+
+def optimizers_of(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The live optimizers that step any of ``model``'s parameters.
+
+    Wrappers (accelerate's ``AcceleratedOptimizer``, an ``Optimizer`` holding the real one as
+    ``.optimizer``) are left out: patching the inner optimizer covers both.
+    """
+    ids = {id(p) for p in model.parameters()}
+    found = [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), torch.optim.Optimizer) and any(id(p) in ids for p in optimizer_params(o))
+    ]
+    return [o for o in found if not isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]

@@ -1,0 +1,285 @@
+"""``install(config)``: put every part of a plan in place in this process, before the script runs.
+
+At once: the allocator setting, the framework path (``memdoctor.runtime.frameworks``, when present),
+the DataLoader settings and padding trim, and a watch for the model. When the script builds the
+model's optimizer (``memdoctor.runtime.discovery``), before its first training step, the config is
+checked against the model (a stale config stops the run), then checkpointing, autocast, loss scaling
+and micro-batching are installed on it, each printed as one line. A part that cannot be applied stops
+the run with one line naming it (``fail``), before any optimizer step: a plan part is never silently
+dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from memdoctor.config import PlanConfig, _from_mapping, check_modules
+from memdoctor.config_apply import _allocator, checkpoint_module
+from memdoctor.errors import ConfigError
+from memdoctor.runtime import FrameworkPatch
+from memdoctor.runtime.backward import BackwardPatch
+from memdoctor.runtime.discovery import ModelWatch
+from memdoctor.runtime.loader import LoaderSettings
+from memdoctor.runtime.microbatch import MicroBatching
+from memdoctor.runtime.padding import PaddingTrim
+from memdoctor.runtime.patching import Undo, wrap_forward
+from memdoctor.runtime.precision import LossScaling, autocast_forward
+
+Say = Callable[[str], None]
+_SHOWN_NAMES = 6
+
+
+def say_stderr(line: str) -> None:
+    print(f"memdoctor: {line}", file=sys.stderr, flush=True)
+
+
+def raise_config_error(message: str) -> None:
+    raise ConfigError(message)
+
+
+@dataclass
+class Installation:
+    """The installed plan: what was applied (``lines``), the model once found, and ``remove()``."""
+
+    config: PlanConfig
+    say: Say
+    fail: Callable[[str], None]
+    lines: list[str] = field(default_factory=list)
+    model: nn.Module | None = None
+    framework: FrameworkPatch = field(default_factory=FrameworkPatch)
+    backward: BackwardPatch = field(default_factory=BackwardPatch)
+    _undo: list[Undo] = field(default_factory=list)
+    _loader: LoaderSettings | None = None
+    _padding: PaddingTrim | None = None
+    _first: nn.Module | None = None  # a root passed over for another model class
+
+    def applied(self, line: str) -> None:
+        self.lines.append(line)
+        self.say(line)
+
+    def ours(self, part: str) -> bool:
+        """Whether memdoctor applies ``part`` here (not the framework path)."""
+        return part not in self.framework.handled
+
+    def remove(self) -> None:
+        """Undo every patch, last first: the process is as it was before ``install``."""
+        while self._undo:
+            self._undo.pop()()
+
+    def finish(self) -> list[str]:
+        """End-of-run notes: parts applied to what the script did, or that it never gave a chance."""
+        notes = []
+        if self.model is None and self._needs_model():
+            notes.append(
+                "NOT applied: the script built no optimizer of a model, so checkpoint, precision and "
+                "accumulation had nothing to apply to"
+            )
+        if self._loader is not None:
+            notes.append(self._loader.summary())
+        if self._padding is not None:
+            notes.append(self._padding.summary())
+        for note in notes:
+            self.say(note)
+        return notes
+
+    def _needs_model(self) -> bool:
+        c = self.config
+        return bool(c.checkpoint) or c.precision != "fp32" or c.accumulation_steps > 1
+
+    # ------------------------------------------------------------------ when the model is found
+
+    def accept(self, root: nn.Module) -> bool:
+        """Is ``root`` the model the config was made for? A stale config stops the run here."""
+        cls = type(root).__name__
+        names = {name for name, _ in root.named_modules()}
+        if all(n in names for n in self.config.checkpoint):
+            return True
+        other = self.config.provenance.model_class
+        if other and other != cls:
+            self._first = self._first or root
+            return False  # perhaps another model of the script (a critic); keep looking until a step
+        self._stale(root)
+        return False
+
+    def missing(self) -> None:
+        """An optimizer steps and no model matched the config: stop, naming what the config lacks."""
+        if self._first is not None:
+            self._stale(self._first)
+
+    def _stale(self, root: nn.Module) -> None:
+        try:
+            check_modules(self.config, [n for n, _ in root.named_modules()], type(root).__name__)
+        except ConfigError as exc:
+            self.fail(str(exc))
+
+    def on_model(self, root: nn.Module) -> None:
+        self.model = root
+        cls = type(root).__name__
+        other = self.config.provenance.model_class
+        if other and other != cls:
+            self.say(f"note: the config was made for {other}; this script's model is {cls}")
+        self._refuse(root)
+        c = self.config
+        if c.checkpoint and self.ours("checkpoint"):
+            for name in c.checkpoint:
+                self._undo.append(checkpoint_module(root.get_submodule(name)))
+            shown = " ".join(c.checkpoint[:_SHOWN_NAMES])
+            more = f" and {len(c.checkpoint) - _SHOWN_NAMES} more" if len(c.checkpoint) > _SHOWN_NAMES else ""
+            self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}{more}")
+        precision = c.precision != "fp32" and self.ours("precision")
+        scaling = self._precision(root) if precision else None
+        accumulation = c.accumulation_steps > 1 and self.ours("accumulation")
+        if accumulation:
+            self._micro_batching(root, scaling)
+        if precision or accumulation:
+            self._undo.append(_forward_called(self, root, "precision" if precision else "accumulation_steps"))
+
+    def _refuse(self, root: nn.Module) -> None:
+        c = self.config
+        if c.optimizer != "as-is" and self.ours("optimizer"):
+            way = "bitsandbytes.optim.AdamW8bit" if c.optimizer == "8bit" else "DeepSpeed ZeRO-Offload"
+            self.fail(
+                f"optimizer: {c.optimizer}: memdoctor run cannot swap or offload the script's optimizer "
+                f"(it is built by the script); build it with {way}, or remove optimizer from the config"
+            )
+        if c.attention is not None and self.ours("attention"):
+            setter = getattr(root, "set_attn_implementation", None)
+            try:
+                if setter is None:
+                    raise TypeError(f"{type(root).__name__} has no set_attn_implementation")
+                setter(c.attention)
+            except Exception as exc:
+                self.fail(f"attention: {c.attention}: cannot set it on this model: {exc}")
+            self.applied(f"attention implementation {c.attention} (set_attn_implementation)")
+
+    def _precision(self, root: nn.Module) -> LossScaling | None:
+        c = self.config
+        self._undo.append(autocast_forward(root, c.precision))
+        if c.precision != "fp16" or c.grad_scaler is None:
+            self.applied(f"autocast {c.precision} around {type(root).__name__}.forward")
+            return None
+        scaling = LossScaling(c.grad_scaler, root, self.fail)
+        self._undo.append(scaling.install())
+        scaling.attach()
+        self.backward.scale = scaling.scale
+        self.applied(
+            f"autocast fp16 with loss scaling around {type(root).__name__}.forward (torch.amp.GradScaler, "
+            f"init_scale={c.grad_scaler.init_scale:g}, growth_interval={c.grad_scaler.growth_interval}; "
+            "driven from loss.backward() and optimizer.step())"
+        )
+        return scaling
+
+    def _micro_batching(self, root: nn.Module, scaling: LossScaling | None) -> None:
+        c = self.config
+        micro = MicroBatching(
+            c.accumulation_steps,
+            self.backward,
+            self.fail,
+            self.say,
+            scale=None if scaling is None else scaling.scale,
+            current_scale=None if scaling is None else scaling.current_scale,
+            expected_micro=c.micro_batch,
+        )
+        self._undo.append(micro.install(root))
+        size = f" of {c.micro_batch} samples" if c.micro_batch else ""
+        self.applied(
+            f"micro-batching: each batch split into {c.accumulation_steps} micro-batches{size} inside "
+            f"{type(root).__name__}.forward, gradients accumulated; the script's optimizer steps and "
+            "LR schedule are unchanged"
+        )
+
+
+def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
+    """Autocast and micro-batching wrap the model's forward: if the first optimizer step ends and it
+    was never called (a LightningModule whose training_step calls ``self.model`` directly), the part
+    did not apply to that step, and the run stops naming it before the next."""
+    calls = [0]
+    handle: Any = None
+
+    def count(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    def first_step(opt: Any, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        if not calls[0]:
+            inst.fail(
+                f"{part}: {type(root).__name__}.forward, which memdoctor wraps, was not called in the "
+                "first optimizer step (the script calls a submodule directly?); remove it from the "
+                "config, or apply it in code with memdoctor.apply"
+            )
+
+    undo = wrap_forward(root, count)
+    # after the step: an optimizer step with a closure (Lightning) runs the forward inside it
+    handle = register_optimizer_step_post_hook(first_step)
+
+    def remove() -> None:
+        handle.remove()
+        undo()
+
+    return remove
+
+
+def install(
+    config: PlanConfig | Mapping[str, Any],
+    *,
+    say: Say = say_stderr,
+    fail: Callable[[str], None] = raise_config_error,
+) -> Installation:
+    """Install ``config`` (a ``PlanConfig``, or its mapping as in ``memdoctor.yaml``) in this process.
+
+    ``say`` prints each applied part; ``fail`` reports a part that cannot be applied (default: raise
+    ``ConfigError``; ``memdoctor run`` prints the line and exits 2). Call ``remove()`` to undo.
+    """
+    if not isinstance(config, PlanConfig):
+        config = _from_mapping(dict(config), "config")  # the loader's own checks, on a mapping
+    inst = Installation(config, say, fail)
+    try:
+        _install_now(inst)
+    except BaseException:
+        inst.remove()
+        raise
+    return inst
+
+
+def _install_now(inst: Installation) -> None:
+    c = inst.config
+    if c.allocator is not None:
+        _allocator(c)
+        inst.applied(f"allocator PYTORCH_CUDA_ALLOC_CONF={c.allocator}")
+    inst.framework = _frameworks(c)
+    inst._undo.append(inst.framework.undo)
+    for line in inst.framework.lines:
+        inst.applied(line)
+    if any(v is not None for v in vars(c.data_loader).values()):
+        inst._loader = LoaderSettings(c.data_loader, active=lambda: inst.ours("data_loader"))
+        inst._undo.append(inst._loader.install())
+        inst.applied(inst._loader.describe())
+    if c.padding == "trim":
+        inst._padding = PaddingTrim(active=lambda: inst.ours("padding"))
+        undo = inst._padding.install()
+        if undo is None:
+            inst.fail("padding: trim: this torch has no DataLoader iterator to trim batches in")
+        else:
+            inst._undo.append(undo)
+            inst.applied("padding: trim: each DataLoader batch cut to its longest attention-masked sequence")
+    inst._undo.append(inst.backward.install())
+    watch = ModelWatch(inst.accept, inst.on_model, inst.missing)
+    inst._undo.append(watch.start())
+
+
+def _frameworks(config: PlanConfig) -> FrameworkPatch:
+    """The HF Trainer / Lightning path (``memdoctor.runtime.frameworks``), when that module exists."""
+    if importlib.util.find_spec("memdoctor.runtime.frameworks") is None:
+        return FrameworkPatch()
+    module = importlib.import_module("memdoctor.runtime.frameworks")
+    patch: FrameworkPatch = module.patch_frameworks(config)
+    return patch

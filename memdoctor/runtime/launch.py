@@ -1,0 +1,41 @@
+"""``memdoctor run``'s parent side: start the script in a child with the plan, wait, pass its exit code on.
+
+A child process rather than this one, so that the script runs exactly as ``python SCRIPT ARGS`` (its
+own ``__main__``, ``sys.argv``, ``sys.path[0]``) and the allocator setting is in the environment before
+anything can start CUDA. Ctrl-C reaches the child from the terminal; this process waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from memdoctor.config import PlanConfig
+from memdoctor.runtime.child import ENV_VAR
+
+
+def run_script(config: PlanConfig, script: str | None, module: str | None, args: list[str]) -> int:
+    """Run the script to its end with ``config`` applied; the script's exit code (128 + N for signal N)."""
+    env = dict(os.environ)
+    env[ENV_VAR] = json.dumps({"config": config.as_dict(), "script": script, "module": module, "args": args})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if config.allocator is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = config.allocator  # read once, when CUDA starts in the child
+    proc = subprocess.Popen([sys.executable, "-m", "memdoctor.runtime.child"], env=env)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child gets Ctrl-C and decides
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - code if code < 0 else code
+
+
+def describe(config: PlanConfig, path: Path) -> str:
+    """The start line: which plan, from where."""
+    fits = config.provenance.fits
+    note = {None: "", True: " (planned to fit)", False: " (the closest plan: not predicted to fit)"}[fits]
+    return f"applying {path}{note}"

@@ -1,0 +1,141 @@
+"""Autocast around the model's forward, and fp16 loss scaling without the script calling a GradScaler.
+
+Loss scaling is ``torch.amp.GradScaler`` itself, driven from three places the script already calls:
+its ``loss.backward()`` (scaled through ``memdoctor.runtime.backward``), its ``optimizer.step()`` (the
+optimizer's ``step`` becomes ``scaler.step(optimizer)`` + ``scaler.update()``: unscale, skip the step on
+inf/NaN, adjust the scale) and ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (which first
+unscale, as the GradScaler recipe asks, so a clipping threshold means what the script meant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memdoctor.config import GradScalerSettings
+from memdoctor.runtime.discovery import optimizers_of
+from memdoctor.runtime.patching import Undo, set_attr, wrap_forward
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def autocast_forward(model: nn.Module, precision: str) -> Undo:
+    """Run ``model``'s forward (and so a loss it computes) under ``torch.autocast`` in ``precision``."""
+    dtype = DTYPES[precision]
+
+    def forward(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # the device at call time: the script may move the model after building its optimizer
+        with torch.autocast(device_type=device_type(model), dtype=dtype):
+            return inner(*args, **kwargs)
+
+    return wrap_forward(model, forward)
+
+
+class LossScaling:
+    """fp16 loss scaling for ``model``'s optimizers (patched when the model is found, and again at the
+    first backward for any built since; the GradScaler is made at the first backward)."""
+
+    def __init__(self, settings: GradScalerSettings, model: nn.Module, fail: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.scaler: torch.amp.GradScaler | None = None  # made at the first backward, on the model's device
+        self.model = model
+        self._fail = fail
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._undo: list[Undo] = []
+        self._stepping = False
+
+    def install(self) -> Undo:
+        utils = torch.nn.utils
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            self._undo.append(set_attr(utils, name, self._unscaling(getattr(utils, name))))
+        return self.remove
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the current scale (a device tensor: no host sync)."""
+        if self.scaler is None:
+            s = self.settings
+            self.scaler = torch.amp.GradScaler(  # now: the model is on the device it trains on
+                device_type(self.model), init_scale=s.init_scale, growth_interval=s.growth_interval
+            )
+            self.attach()  # optimizers built since the model was found
+            if not self.optimizers:
+                self._fail(
+                    "precision: fp16: no optimizer of the model exists at its first backward, so "
+                    "memdoctor cannot drive loss scaling; build the optimizer before training, or use "
+                    "precision: bf16"
+                )
+        return self.scaler.scale(loss)
+
+    def current_scale(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.scaler is not None
+        return self.scaler.scale(torch.ones((), dtype=torch.float32, device=like.device))
+
+    def attach(self) -> None:
+        """Drive the GradScaler from the ``step`` of each optimizer of the model not yet patched. Called
+        when the model is found (its optimizer was just built), so that even a first ``step(closure)``
+        whose closure runs the first backward (Lightning) goes through the GradScaler."""
+        for opt in optimizers_of(self.model):
+            if all(o is not opt for o in self.optimizers):
+                self.optimizers.append(opt)
+                self._undo.append(self._patch_step(opt))
+
+    def _patch_step(self, opt: torch.optim.Optimizer) -> Undo:
+        original = opt.step
+        scaling = self
+
+        def step(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if scaling._stepping:  # GradScaler.step calling the optimizer's own step
+                return original(*args, **kwargs)
+            closure = kwargs.pop("closure", None) or (args[0] if args else None)
+            scaling._stepping = True
+            try:
+                # GradScaler takes no closure (Lightning passes one: forward + backward): run it first,
+                # as Lightning's own mixed-precision plugin does, then step on its gradients
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                scaler = scaling.scaler
+                if scaler is None:  # no backward yet: nothing is scaled
+                    out = original() if closure is not None else original(*args, **kwargs)
+                elif closure is not None:
+                    out = scaler.step(self_opt)
+                else:
+                    out = scaler.step(self_opt, *args, **kwargs)
+                if scaler is not None:
+                    scaler.update()
+            finally:
+                scaling._stepping = False
+            return loss if closure is not None else out
+
+        # An LR scheduler built before marked the step it wrapped; keep the mark, or it warns that the
+        # step was overridden. A bound method, so that a scheduler built later can wrap it the same way.
+        if getattr(original, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        return set_attr(opt, "step", types.MethodType(step, opt))
+
+    def _unscaling(self, clip: Callable[..., Any]) -> Callable[..., Any]:
+        def clip_unscaled(*args: Any, **kwargs: Any) -> Any:
+            for opt in self.optimizers:
+                with contextlib.suppress(RuntimeError):  # already unscaled since the last step
+                    if self.scaler is not None:
+                        self.scaler.unscale_(opt)
+            return clip(*args, **kwargs)
+
+        clip_unscaled.__wrapped__ = clip  # type: ignore[attr-defined]
+        return clip_unscaled
