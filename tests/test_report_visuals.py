@@ -1,0 +1,140 @@
+"""The report's visuals: plan alternatives, findings ranked by saving, the nine-grid chart and the
+layer x time memory heatmap, on hand-built workloads, synthetic traces and the recorded GPU traces."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memdoctor.analysis import plan as plan_section
+from memdoctor.analysis.summary import build_summary
+from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
+from memdoctor.report import plots_plan
+from memdoctor.trace import Trace, load_trace
+from tests.test_plan import hand_workload
+
+DATA = Path(__file__).parent / "data"
+BERT32 = DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz"
+BERT_OOM = DATA / "gpu-bert-base-b32-s512-8gib-oom.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def bert32() -> tuple[Trace, dict[str, Any]]:
+    trace = load_trace(BERT32)
+    return trace, build_summary(trace)
+
+
+def _svg(uri: str) -> str:
+    header, _, payload = uri.partition(",")
+    assert header == "data:image/svg+xml;base64"
+    return base64.b64decode(payload).decode("utf-8")
+
+
+# ----------------------------------------------------------------------------------------- alternatives
+
+
+@pytest.mark.parametrize("budget", [2000, 900, 700])
+def test_alternatives_are_what_their_names_say(budget: int) -> None:
+    w, target = hand_workload(), Target(budget, margin=0.0)
+    plan = make_plan(w, target)
+    alt = alternatives(w, target, plan)
+    assert tuple(alt) == ALTERNATIVES
+    chosen, fastest, least, same = (alt[k] for k in ALTERNATIVES)
+    assert chosen is not None and fastest is not None and least is not None and same is not None
+    assert plan.chosen is not None and chosen["config"] == plan.chosen.config.as_dict()
+    assert all(a["fits"] for a in (chosen, fastest, same))
+    # least memory is no bigger than any other alternative
+    assert all(least["predicted_reserved_bytes"] <= a["predicted_reserved_bytes"] for a in alt.values() if a)
+    assert same["config"]["precision"] == "fp32" and same["config"]["optimizer"] != "8bit"
+
+
+def test_fastest_may_change_precision_where_the_plan_does_not() -> None:
+    w, target = hand_workload(), Target(2000, margin=0.0)
+    alt = alternatives(w, target, make_plan(w, target))
+    assert alt["chosen"] is not None and alt["chosen"]["levers"] == []  # fits as it is
+    fastest = alt["fastest"]
+    assert fastest is not None and fastest["config"]["precision"] == "bf16"
+    assert fastest["predicted_step_time_ratio"] < 1.0 == alt["chosen"]["predicted_step_time_ratio"]
+
+
+def test_alternatives_when_nothing_fits() -> None:
+    w, target = hand_workload(), Target(300, margin=0.0)
+    plan = make_plan(w, target)
+    alt = alternatives(w, target, plan)
+    assert not plan.fits and alt["chosen"] is None and alt["fastest"] is None
+    for key in ("least_memory", "numerics_preserving"):
+        a = alt[key]
+        assert a is not None and a["fits"] is False
+    least = alt["least_memory"]
+    assert least is not None and least["predicted_reserved_bytes"] <= plan.closest.reserved_bytes
+
+
+def test_summary_plan_has_alternatives_and_the_report_ranks_findings(
+    bert32: tuple[Trace, dict[str, Any]],
+) -> None:
+    trace, summary = bert32
+    alt = summary["plan"]["alternatives"]
+    assert set(alt) == set(ALTERNATIVES)
+    assert alt["chosen"]["levers"] == summary["plan"]["levers"]
+    assert alt["fastest"]["predicted_step_time_ratio"] <= alt["chosen"]["predicted_step_time_ratio"]
+    ctx = plan_section.report_section(trace, summary)
+    assert ctx is not None
+    savings = [f["saving_bytes"] or 0 for f in ctx["findings"]]
+    assert savings == sorted(savings, reverse=True) and len(savings) >= 2
+    assert sorted(f["rule"] for f in ctx["findings"]) == sorted(f["rule"] for f in summary["findings"])
+
+
+def test_ranked_keeps_rule_order_for_ties_and_puts_unknown_savings_last() -> None:
+    findings = [
+        {"rule": "a", "saving_bytes": None},
+        {"rule": "b", "saving_bytes": 5},
+        {"rule": "c", "saving_bytes": 9},
+        {"rule": "d", "saving_bytes": 5},
+    ]
+    assert [f["rule"] for f in plan_section.ranked(findings)] == ["c", "b", "d", "a"]
+
+
+# ----------------------------------------------------------------------------------------- nine-grid
+
+
+def test_ninegrid_rows_carry_figures_and_thresholds(bert32: tuple[Trace, dict[str, Any]]) -> None:
+    _, summary = bert32
+    rows = {r["axis"]: r for r in plan_section.ninegrid_rows(summary["ninegrid"])}
+    compute = rows["compute intensity"]
+    assert compute["level"] == "high" and "75.9 FLOP/byte" in compute["figure"]
+    assert "3.49" in compute["thresholds"] and "14" in compute["thresholds"]  # quarter ridge, ridge
+    assert rows["parameter scale"]["figure"].endswith("1.2%")
+    assert "37.7% padding" in rows["data traits"]["figure"]
+
+
+def test_ninegrid_rows_say_what_was_not_measured() -> None:
+    grid = {"compute": {"level": None, "figures": None, "evidence": "no flops"}, "parameter_scale": None}
+    rows = plan_section.ninegrid_rows(grid)
+    assert [r["level"] for r in rows] == [None, None, None]
+    assert [r["figure"] for r in rows] == [None, None, None]
+    assert rows[0]["evidence"] == "no flops" and all(r["thresholds"] for r in rows)
+
+
+def _grid(compute: str | None, state: str | None, data: str | None) -> dict[str, Any]:
+    return {
+        "compute": {"level": compute, "figures": {"arithmetic_intensity": 50.0, "ridge_point": 10.0}},
+        "parameter_scale": {
+            "level": state,
+            "figures": {"model_state_bytes": 2**30, "budget_bytes": 2**33, "share": 0.125},
+        },
+        "data": {"level": data, "figures": {"padding_fraction": 0.4, "class": "padded"}},
+    }
+
+
+def test_ninegrid_chart_highlights_one_cell_or_hatches_the_unknown() -> None:
+    known = _svg(plots_plan.ninegrid(_grid("high", "low", "high")))
+    # the highlight colour fills the workload's cell and its data-traits segment; nothing is hatched
+    assert known.count(f"fill: {plots_plan.HIT}") == 2
+    assert "<pattern" not in known
+    unknown = _svg(plots_plan.ninegrid(_grid(None, "low", None)))
+    assert f"fill: {plots_plan.HIT}" not in unknown
+    # compute unmeasured: the whole "low" row (3 cells) is hatched, and so is the 3-segment data strip
+    assert unknown.count("fill: url(#h") == 6 and f'fill="{plots_plan.UNKNOWN}"' in unknown
