@@ -10,11 +10,14 @@ from typing import Any
 import pytest
 
 from memdoctor.analysis import plan as plan_section
-from memdoctor.analysis.summary import build_summary
+from memdoctor.analysis.heatmap import COLUMNS, MAX_ROWS, heatmap, why_not
+from memdoctor.analysis.summary import build_summary, layer_table, peak_step
 from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
-from memdoctor.report import plots_plan
+from memdoctor.report import plots_heatmap, plots_plan
+from memdoctor.report.render import report_context
 from memdoctor.trace import Trace, load_trace
 from tests.test_plan import hand_workload
+from tests.tracebuilder import TraceBuilder, completed_trace, tiny_mlp
 
 DATA = Path(__file__).parent / "data"
 BERT32 = DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz"
@@ -138,3 +141,76 @@ def test_ninegrid_chart_highlights_one_cell_or_hatches_the_unknown() -> None:
     assert f"fill: {plots_plan.HIT}" not in unknown
     # compute unmeasured: the whole "low" row (3 cells) is hatched, and so is the 3-segment data strip
     assert unknown.count("fill: url(#h") == 6 and f'fill="{plots_plan.UNKNOWN}"' in unknown
+
+
+# ----------------------------------------------------------------------------------------- heatmap
+
+
+def _by_name(trace: Trace, step: Any) -> dict[str, int]:
+    return {r["name"]: r["activation_bytes"] or 0 for r in layer_table(trace, step)}
+
+
+def test_heatmap_rows_hold_what_each_layer_saved_and_free_it_in_backward() -> None:
+    trace = completed_trace(layers=4)
+    step = peak_step(trace)
+    hm = heatmap(trace, step)
+    assert hm is not None and step is not None
+    saved = _by_name(trace, step)
+    assert hm["rows"][:2] == ["bert.embeddings", "bert.encoder.layer.0"]
+    assert all(len(v) == COLUMNS for v in hm["values"])
+    for name, values in zip(hm["rows"], hm["values"], strict=True):
+        if name in saved:  # the most a layer holds is what it saved (the builder frees it in backward)
+            assert max(values) == saved[name], name
+        assert values[-1] == 0, f"{name} still holds activations after the optimizer step"
+    layer0 = hm["values"][1]
+    assert layer0[0] == 0 and max(layer0) > 0  # lights up in the forward, not before
+    # at every moment, the rows add up to no more than the step's largest activation total
+    totals = [sum(col) for col in zip(*hm["values"], strict=True)]
+    assert max(totals) <= max(int(v or 0) for v in step.timeline["activations"] or [])
+    # earlier layers save first and free last: layer 0 holds memory longer than layer 3
+    held = {n: sum(1 for v in vals if v) for n, vals in zip(hm["rows"], hm["values"], strict=True)}
+    assert held["bert.encoder.layer.0"] > held["bert.encoder.layer.3"]
+
+
+def test_heatmap_merges_consecutive_layers_beyond_max_rows() -> None:
+    b = TraceBuilder(kind="cpu", budget_bytes=None)
+    b.add_model(tiny_mlp(depth=60))  # 120 top-level layers
+    b.add_steps(warmup=0, profiled=1)
+    trace = b.end("completed").build()
+    step = peak_step(trace)
+    hm = heatmap(trace, step)
+    assert hm is not None and hm["layers"] == 120
+    assert hm["per_row"] == 3 and len(hm["rows"]) == 40 <= MAX_ROWS
+    assert hm["rows"][0] == "0 … 2"
+    saved = _by_name(trace, step)
+    # a merged row holds at least as much as its largest member
+    assert max(hm["values"][0]) >= max(saved[n] for n in ("0", "1", "2")) > 0
+
+
+def test_heatmap_is_not_drawn_when_no_layer_was_timed() -> None:
+    trace = completed_trace(layers=2)
+    step = peak_step(trace)
+    assert step is not None
+    tl = step.timeline
+    tl["module"] = [0 if m is not None else None for m in tl["module"] or []]  # only the root sampled
+    assert heatmap(trace, step) is None
+    assert "timing depth" in why_not(trace, step)
+    assert why_not(trace, None) == "no step was recorded"
+
+
+def test_heatmap_of_a_100_layer_model_stays_small() -> None:
+    trace = completed_trace(layers=100)  # 1,815 modules, every one sampled in the timeline
+    hm = heatmap(trace, peak_step(trace))
+    assert hm is not None and hm["layers"] == 104 and len(hm["rows"]) <= MAX_ROWS
+    assert hm["per_row"] == 3  # merged rows name their span briefly
+    assert hm["rows"][:2] == ["bert.embeddings … encoder.layer.1", "bert.encoder.layer.2 … 4"]
+    chart = plots_heatmap.layer_heatmap(hm)
+    assert chart is not None and "<svg" in _svg(chart)[:2000]
+    assert len(chart) < 200_000  # the grid is one raster at its own size (240 x rows pixels)
+
+
+def test_report_draws_the_heatmap(tmp_path: Path) -> None:
+    trace = completed_trace(layers=2)
+    ctx = report_context(trace, build_summary(trace))
+    assert ctx["heatmap"]["layers"] == 6 and ctx["heatmap_missing"] is None
+    assert "<svg" in _svg(ctx["heatmap_chart"])[:2000]

@@ -194,14 +194,20 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
 
 
 def _greedy(pool: list[Candidate], need: float) -> list[Candidate]:
+    # Running sets and sums instead of rescanning ``chosen`` per candidate: choose_checkpoints calls this
+    # once per cap, so on a model with a thousand candidates a rescan made the search cubic (minutes).
     chosen: list[Candidate] = []
     taken: set[tuple[int, int]] = set()
+    nesting: set[tuple[int, int]] = set()  # ancestors of the chosen: a module that holds one of them
+    total = largest = 0
     for c in sorted(pool, key=lambda c: -c.bytes_per_ms):
-        if c.key in taken or c.ancestors & taken or any(c.key in o.ancestors for o in chosen):
+        if c.key in taken or c.key in nesting or not c.ancestors.isdisjoint(taken):
             continue
         chosen.append(c)
         taken.add(c.key)
-        if _net(chosen) >= need:
+        nesting |= c.ancestors
+        total, largest = total + c.free_bytes, max(largest, c.free_bytes)
+        if total - largest >= need:
             return _prune(chosen, need)
     return []
 
