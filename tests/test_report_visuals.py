@@ -11,9 +11,9 @@ import pytest
 
 from memdoctor.analysis import plan as plan_section
 from memdoctor.analysis.heatmap import COLUMNS, MAX_ROWS, heatmap, why_not
-from memdoctor.analysis.summary import build_summary, layer_table, peak_step
+from memdoctor.analysis.summary import build_summary, layer_table, peak_step, timeline_series
 from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
-from memdoctor.report import plots_heatmap, plots_plan
+from memdoctor.report import plots, plots_heatmap, plots_plan
 from memdoctor.report.render import report_context
 from memdoctor.trace import Trace, load_trace
 from tests.test_plan import hand_workload
@@ -214,3 +214,22 @@ def test_report_draws_the_heatmap(tmp_path: Path) -> None:
     ctx = report_context(trace, build_summary(trace))
     assert ctx["heatmap"]["layers"] == 6 and ctx["heatmap_missing"] is None
     assert "<svg" in _svg(ctx["heatmap_chart"])[:2000]
+
+
+# ----------------------------------------------------------------------------------------- timeline
+
+
+def test_a_long_timeline_is_thinned_keeping_its_envelope_and_peak() -> None:
+    trace = completed_trace(layers=100)
+    step = peak_step(trace)
+    assert step is not None
+    series = timeline_series(step)
+    thin = plots.thin_series(series, limit=500)
+    n = len(series["t_ms"])
+    assert thin["thinned"] == -(-n // 500) > 1 and len(thin["t_ms"]) <= 502
+    total = [sum(v) for v in zip(*series["categories"].values(), strict=True)]
+    kept = [sum(v) for v in zip(*thin["categories"].values(), strict=True)]
+    assert max(kept) == max(total)  # the peak sample survives
+    assert thin["t_ms"][0] == series["t_ms"][0] and thin["t_ms"][-1] == series["t_ms"][-1]
+    assert all(len(v) == len(thin["t_ms"]) for v in thin["allocator"].values())
+    assert plots.thin_series(series, limit=n)["thinned"] == 1  # short enough: untouched

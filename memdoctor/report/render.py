@@ -128,7 +128,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     """Everything the template reads: the summary plus tables and plots derived from the trace."""
     step = an.peak_step(trace)
     limit, limit_label = an.memory_limit(summary)
-    series = an.timeline_series(step) if step is not None else None
+    series = plots.thin_series(an.timeline_series(step)) if step is not None else None
     heatmap = layer_time.heatmap(trace, step)
     return {
         "summary": summary,
@@ -143,6 +143,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "timeline_limit_off_scale": bool(series and limit and plots.limit_off_scale(series, limit)),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
         "timeline_skipped_ms": series["skipped_ms"] if series else 0.0,
+        "timeline_thinned": series["thinned"] if series else 1,
         "heatmap": heatmap,
         "heatmap_chart": plots_heatmap.layer_heatmap(heatmap),
         "heatmap_missing": layer_time.why_not(trace, step) if heatmap is None else None,
