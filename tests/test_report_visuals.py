@@ -233,3 +233,21 @@ def test_a_long_timeline_is_thinned_keeping_its_envelope_and_peak() -> None:
     assert thin["t_ms"][0] == series["t_ms"][0] and thin["t_ms"][-1] == series["t_ms"][-1]
     assert all(len(v) == len(thin["t_ms"]) for v in thin["allocator"].values())
     assert plots.thin_series(series, limit=n)["thinned"] == 1  # short enough: untouched
+
+
+# ----------------------------------------------------------------------------------------- README
+
+
+def test_readme_links_every_sample_report() -> None:
+    repo = Path(__file__).resolve().parent.parent
+    readme = (repo / "README.md").read_text(encoding="utf-8")
+    folders = sorted(p.name for p in (repo / "sample_reports").iterdir() if p.is_dir())
+    assert folders, "no sample reports"
+    for name in folders:
+        assert f"](sample_reports/{name}/report.html)" in readme, f"README does not link {name}"
+        assert (repo / "sample_reports" / name / "report.html").is_file()
+    # every sample report comes from a committed trace (benchmarks/make_sample_reports.py)
+    traces = sorted(
+        p.name.removeprefix("gpu-").removesuffix(".jsonl.gz") for p in DATA.glob("gpu-*.jsonl.gz")
+    )
+    assert folders == traces
