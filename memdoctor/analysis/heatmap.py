@@ -42,12 +42,12 @@ def heatmap(trace: Trace, step: StepRecord | None) -> dict[str, Any] | None:
     if act is None or len(series["t_ms"]) < 2 or not layers:
         return None
     first = len(step.timeline.get("t_ms") or []) - len(series["t_ms"])  # the set-up sample, when skipped
-    if _untimed(step, layers) == sum(1 for info, i in layers if _calls(step, info, i)):
+    if not _sampled_rows(step, layers):
         return None  # no layer has samples of its own: there is nothing to attribute to layers
     owners, deltas, start = attribute(step, first, _row_map(layers))
     groups, labels, per_row = _groups(trace, layers)
     rows = _cumulative(owners, deltas, start, groups, len(labels) + 1)
-    values = [_bins(series["t_ms"], r) for r in rows]
+    values = [_bins(series["t_ms"][: len(r)], r) for r in rows]
     top = max((sum(col) for col in zip(*values, strict=True)), default=0)
     if top <= 0:
         return None
@@ -97,7 +97,7 @@ def attribute(step: StepRecord, first: int, row_of: dict[Key, int]) -> tuple[lis
     stack: list[Key] = []
     last_bwd: Key | None = None
     owners, deltas = [], []
-    for i in range(first, len(act)):
+    for i in range(first, min(len(act), len(events), len(phases), len(keys))):
         if i > first:
             owner = _owner(phases[i], stack, last_bwd, row_of)
             owners.append(rest if owner is None else owner)
@@ -217,10 +217,15 @@ def _bins(t: list[float], values: list[int]) -> list[int]:
 def _untimed(step: StepRecord, layers: list[tuple[ModelInfo, int]]) -> int:
     """Layers that ran in the step (``calls``) but none of whose modules has a timeline sample: called
     below the timing depth. (Layers a dying step never reached are not counted.)"""
-    row_of = _row_map(layers)
-    seen = {row_of[k] for k in _keys(step.timeline) if k is not None and k in row_of}
+    seen = _sampled_rows(step, layers)
     ran = [r for r, (info, i) in enumerate(layers) if _calls(step, info, i)]
     return sum(1 for r in ran if r not in seen)
+
+
+def _sampled_rows(step: StepRecord, layers: list[tuple[ModelInfo, int]]) -> set[int]:
+    """The layers (rows) with at least one timeline sample of a module inside them."""
+    row_of = _row_map(layers)
+    return {row_of[k] for k in _keys(step.timeline) if k is not None and k in row_of}
 
 
 def _calls(step: StepRecord, info: ModelInfo, i: int) -> int:
