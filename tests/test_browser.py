@@ -26,6 +26,7 @@ SECTIONS = {
     "peak",
     "layer-chart",
     "timeline",
+    "layer-heatmap",
     "grad-norms",
     "layers",
     "steps",
@@ -36,6 +37,14 @@ SECTIONS = {
     "precision",
     "transfers",
 }
+# Plots that must be drawn, by the start of their alt text (a missing one is a broken chart).
+PLOTS = (
+    "stacked bars of parameters",
+    "memory timeline of the peak step",
+    "heatmap: the saved activations each layer holds",
+    "gradient norm per layer",
+    "nine-grid: compute intensity high",
+)
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
 
@@ -61,7 +70,9 @@ def test_report_in_chromium_has_every_section_and_plot(bert_report: Path, tmp_pa
     assert set(facts.h2_ids) >= SECTIONS, SECTIONS - set(facts.h2_ids)
     assert len(facts.h2_ids) == len(set(facts.h2_ids)), "duplicate section ids"
     # Every plot is an inline SVG that parses as one, with alt text for readers without images.
-    assert len(facts.img_srcs) >= 8
+    assert len(facts.img_srcs) >= 11
+    for start in PLOTS:
+        assert any((alt or "").startswith(start) for alt in facts.img_alts), start
     for src, alt in zip(facts.img_srcs, facts.img_alts, strict=True):
         assert "<svg" in _decoded_svg(src)[:2000]
         assert alt and alt.strip()

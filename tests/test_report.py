@@ -101,7 +101,8 @@ def test_csp_and_no_external_resources(html: str) -> None:
         for key in ("src", "href"):
             assert not (attrs.get(key) or "").startswith(("http:", "https:", "//"))
     imgs = [a["src"] for t, a in tags if t == "img"]
-    assert len(imgs) == 2 and all(src.startswith("data:image/svg+xml;base64,") for src in imgs)
+    # layer bars, timeline, layer x time heatmap, nine-grid
+    assert len(imgs) == 4 and all(src.startswith("data:image/svg+xml;base64,") for src in imgs)
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     assert "<link" not in html
 

@@ -407,6 +407,16 @@ def top_layers(trace: Trace, step: StepRecord | None, limit: int = TOP_LAYERS) -
     return _group_rest(bars, limit)
 
 
+def top_layer_modules(trace: Trace, step: StepRecord | None) -> list[tuple[ModelInfo, int]]:
+    """The layers of ``top_layers`` that cover a whole subtree (not the "(own)" bars), as ``(model,
+    module index)`` in model order, none grouped: the rows of the layer x time heatmap."""
+    out: list[tuple[ModelInfo, int]] = []
+    for info in trace.models:
+        rows = _model_rows(trace, info, step)
+        out += [(info, i) for i, own in _top_modules(info, rows) if not own]
+    return out
+
+
 def _totals(rows: list[dict[str, Any]]) -> list[int]:
     return [sum(r["inclusive"].values()) + (r["activation_bytes"] or 0) for r in rows]
 

@@ -300,14 +300,20 @@ GREEDY_ORDERS: tuple[Callable[[Candidate], float], ...] = (
 def _greedy(
     pool: list[Candidate], need: float, order: Callable[[Candidate], float] = GREEDY_ORDERS[0]
 ) -> list[Candidate]:
+    # Running sets and sums instead of rescanning ``chosen`` per candidate: choose_checkpoints calls this
+    # once per cap, so on a model with a thousand candidates a rescan made the search cubic (minutes).
     chosen: list[Candidate] = []
     taken: set[tuple[int, int]] = set()
+    nesting: set[tuple[int, int]] = set()  # ancestors of the chosen: a module that holds one of them
+    total = largest = 0
     for c in sorted(pool, key=order):
-        if c.key in taken or c.ancestors & taken or any(c.key in o.ancestors for o in chosen):
+        if c.key in taken or c.key in nesting or not c.ancestors.isdisjoint(taken):
             continue
         chosen.append(c)
         taken.add(c.key)
-        if _net(chosen) >= need:
+        nesting |= c.ancestors
+        total, largest = total + c.free_bytes, max(largest, c.free_bytes)
+        if total - largest >= need:
             return _prune(chosen, need)
     return []
 
@@ -326,6 +332,50 @@ def _prune(chosen: list[Candidate], need: float) -> list[Candidate]:
         if rest and _net(rest) >= need:
             chosen = rest
     return chosen
+
+
+# ----------------------------------------------------------------------------------------- alternatives
+
+ALTERNATIVES = ("chosen", "fastest", "least_memory", "numerics_preserving")
+
+
+def alternatives(w: Workload, target: Target, plan: Plan) -> dict[str, dict[str, Any] | None]:
+    """The plan beside the configs a reader may prefer, all from the configs both search tiers evaluate
+    (``make_plan`` stops at the first tier that fits; this looks at both):
+
+    * ``chosen``: the planner's pick (null when nothing fits);
+    * ``fastest``: the fitting config with the least predicted slowdown (may use autocast, which
+      ``chosen`` avoids while the numerics-preserving tier fits); null when nothing fits;
+    * ``least_memory``: the lowest predicted reserved peak of every config evaluated, fitting or not;
+    * ``numerics_preserving``: no autocast and no 8-bit optimizer: the fastest one that fits, else the
+      one closest to fitting.
+
+    Checkpoints are chosen per config only as far as the budget needs them, so ``least_memory`` is the
+    least of what the search tried, not the least any config could reach."""
+    keep = [p for p in (_with_checkpoints(w, c, target) for c in _tier_one(w)) if p is not None]
+    more = [p for p in (_with_checkpoints(w, c, target) for c in _tier_two(w, target)) if p is not None]
+    every = [plan.baseline, *keep, *more]
+    fitting = [p for p in every if fits(p, target)]
+    same = [p for p in [plan.baseline, *keep] if fits(p, target)]
+    picks = {
+        "chosen": plan.chosen,
+        "fastest": min(fitting, key=_cost, default=None),
+        "least_memory": min(every, key=lambda p: p.reserved_bytes),
+        "numerics_preserving": min(same, key=_cost, default=None)
+        or min([plan.baseline, *keep], key=lambda p: p.reserved_bytes),
+    }
+    return {name: _alternative(p, target) if p is not None else None for name, p in picks.items()}
+
+
+def _alternative(p: Prediction, target: Target) -> dict[str, Any]:
+    return {
+        "levers": p.config.levers(),
+        "config": p.config.as_dict(),
+        "fits": fits(p, target),
+        "predicted_peak_bytes": p.peak_bytes,
+        "predicted_reserved_bytes": p.reserved_bytes,
+        "predicted_step_time_ratio": p.as_dict()["predicted_step_time_ratio"],
+    }
 
 
 # ----------------------------------------------------------------------------------------- baseline

@@ -140,6 +140,30 @@ def timeline(series: dict[str, Any], limit: int | None = None, limit_label: str 
     return svg_data_uri(fig)
 
 
+TIMELINE_POINTS = 1000  # more samples than this are thinned before drawing (a path per sample in the SVG)
+
+
+def thin_series(series: dict[str, Any], limit: int = TIMELINE_POINTS) -> dict[str, Any]:
+    """``series`` with at most about ``limit`` samples: of every ``k`` consecutive samples the one with the
+    largest stacked total, so the envelope and the peak survive; ``thinned`` is ``k`` (1: untouched)."""
+    t = series["t_ms"]
+    k = -(-len(t) // limit)
+    if k <= 1:
+        return {**series, "thinned": 1}
+    totals = [sum(vals) for vals in zip(*series["categories"].values(), strict=True)]
+    keep = sorted(
+        {0, len(t) - 1}
+        | {max(range(i, min(i + k, len(t))), key=totals.__getitem__) for i in range(0, len(t), k)}
+    )
+    return {
+        **series,
+        "t_ms": [t[i] for i in keep],
+        "categories": {c: [v[i] for i in keep] for c, v in series["categories"].items()},
+        "allocator": {c: [v[i] for i in keep] for c, v in series["allocator"].items()},
+        "thinned": k,
+    }
+
+
 LIMIT_OFF_SCALE = 3.0  # a limit more than this many times the step's top is named, not drawn
 
 

@@ -20,12 +20,13 @@ import jinja2
 from markupsafe import Markup
 
 import memdoctor
+from memdoctor.analysis import heatmap as layer_time
 from memdoctor.analysis import nvtx as nvtx_note
 from memdoctor.analysis import sections
 from memdoctor.analysis import summary as an
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
-from memdoctor.report import plots
+from memdoctor.report import plots, plots_heatmap
 from memdoctor.trace import CATEGORIES, PHASES, Trace
 from memdoctor.units import format_bytes
 
@@ -127,7 +128,8 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     """Everything the template reads: the summary plus tables and plots derived from the trace."""
     step = an.peak_step(trace)
     limit, limit_label = an.memory_limit(summary)
-    series = an.timeline_series(step) if step is not None else None
+    series = plots.thin_series(an.timeline_series(step)) if step is not None else None
+    heatmap = layer_time.heatmap(trace, step)
     return {
         "summary": summary,
         "summary_json": embed_json(summary),
@@ -141,6 +143,10 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "timeline_limit_off_scale": bool(series and limit and plots.limit_off_scale(series, limit)),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
         "timeline_skipped_ms": series["skipped_ms"] if series else 0.0,
+        "timeline_thinned": series["thinned"] if series else 1,
+        "heatmap": heatmap,
+        "heatmap_chart": plots_heatmap.layer_heatmap(heatmap),
+        "heatmap_missing": layer_time.why_not(trace, step) if heatmap is None else None,
         "grad_chart": plots.grad_norms(an.grad_norm_chart(trace)),
         "sections": sections.report_sections(trace, summary),
         "steps": summary["steps"],
