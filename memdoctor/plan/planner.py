@@ -138,13 +138,28 @@ def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None
         tried += found
         fitting = [p for p in found if fits(p, target)]
         if fitting:
-            best = min(fitting, key=lambda p: _cost(p, order))
-            return Plan(
-                target, base, best, best, False, w.peak_bytes, _caveats(w, best), grad_scaler=grad_scaler(w)
-            )
+            # A plan `memdoctor run` can apply beats a faster one it cannot (it would be advice only).
+            best = min([p for p in fitting if runnable(p.config)] or fitting, key=lambda p: _cost(p, order))
+            caveats = _caveats(w, best) + ([] if runnable(best.config) else [not_runnable(best.config)])
+            return Plan(target, base, best, best, False, w.peak_bytes, caveats, grad_scaler=grad_scaler(w))
     closest = min(tried or [base], key=lambda p: p.reserved_bytes)
     advice = what_would_fit(w, target, closest)
     return Plan(target, base, None, closest, False, w.peak_bytes, advice, grad_scaler=grad_scaler(w))
+
+
+def runnable(config: Config) -> bool:
+    """Whether ``memdoctor run`` applies every lever of ``config`` (memdoctor/runtime): it cannot swap
+    the script's optimizer for an 8-bit one, offload its state, or offload module parameters."""
+    return config.optimizer == "as-is" and not config.offload
+
+
+def not_runnable(config: Config) -> str:
+    parts = [f"optimizer: {config.optimizer}"] if config.optimizer != "as-is" else []
+    parts += [f"offload_parameters: {', '.join(config.offload)}"] if config.offload else []
+    return (
+        f"memdoctor run cannot apply {' and '.join(parts)}: only this plan fits; apply those parts in the "
+        "script (bitsandbytes' AdamW8bit, DeepSpeed ZeRO-Offload or accelerate's cpu_offload)"
+    )
 
 
 def _predict(w: Workload, config: Config, target: Target) -> Prediction:
