@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [bare(args)]
     runs += memdoctor_runs(args)
     names = TINY_GRID if args.tiny else tuple(GRID)
+    if args.grid:
+        names = tuple(n.strip() for n in args.grid.split(";"))
     runs += [hand(args, name) for name in names]
     result = summarize(args, runs)
     print_table(runs, result)
@@ -103,7 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per run (default 150)")
     p.add_argument("--verify", action="store_true", help="profile with --verify in (b)")
+    p.add_argument("--grid", default=None, help="GRID entries to run, separated by ; (default: all)")
     args = p.parse_args(argv)
+    unknown = [n for n in (args.grid or "").split(";") if n.strip() and n.strip() not in GRID]
+    if unknown:
+        p.error(f"--grid: unknown {', '.join(unknown)}; known: {', '.join(GRID)}")
     if args.steps is None:
         args.steps = 4 if args.tiny else 12
     return args

@@ -124,10 +124,11 @@ def apply_cap(device: torch.device, cap_gib: float | None) -> None:
     """Cap CUDA memory as ``memdoctor.device.CudaDevice.apply_cap`` does (no cap at or above the card)."""
     if cap_gib is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     cap = int(cap_gib * 1024**3)
     if cap < total:
-        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        torch.cuda.set_per_process_memory_fraction(cap / total, index)
 
 
 class Checkpointed(torch.nn.Module):
