@@ -314,7 +314,7 @@ def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         amp_share=_amp_share(rows),
         matmul_param_bytes=sum(r["param_bytes"] for r in rows if AMP_HALVING_TYPES.search(r["type"] or "")),
         step_ms=_step_ms(summary),
-        fwd_bwd_ms=_fwd_bwd_ms(summary),
+        fwd_bwd_ms=_fwd_bwd_ms(summary) or (None if complete else _estimated_fwd_bwd(trace, rows, notes)),
         compute_class=(summary.get("compute") or {}).get("class"),
         batch_size=_batch_size(summary),
         complete=complete,
@@ -467,6 +467,36 @@ def _fwd_bwd_ms(summary: dict[str, Any]) -> float | None:
     if phases.get("forward") is None or phases.get("backward") is None:
         return None
     return float(phases["forward"] + phases["backward"])
+
+
+# Backward over forward time: backward computes two matmuls (input and weight gradients) for every one of
+# the forward, the usual estimate where the backward was not measured.
+BACKWARD_OVER_FORWARD = 2.0
+
+
+def _estimated_fwd_bwd(trace: Trace, rows: list[dict[str, Any]], notes: list[str]) -> float | None:
+    """Forward + backward ms of a step that died in its forward (an OOM at step 0 has no phase times):
+    the largest repeated stack's blocks, each at the median forward time of those that ran, times
+    (1 + ``BACKWARD_OVER_FORWARD``). Without it the cost of micro-batching is unknown and the planner
+    would rank every config that needs it after any config whose cost it knows."""
+    by_key = {(r["model"], r["index"]): r for r in rows}
+    best: tuple[int, float] | None = None
+    for info in trace.models:
+        for blocks in repeated_blocks(info):
+            ms = [by_key[(info.index, i)]["forward_ms"] for i in blocks]
+            ran = [m for m in ms if m is not None]
+            if ran and (best is None or len(blocks) > best[0]):
+                best = (len(blocks), len(blocks) * statistics.median(ran))
+    if best is None:
+        return None
+    notes.append(
+        f"forward + backward time estimated at {best[1] * (1 + BACKWARD_OVER_FORWARD):.1f} ms: the {best[0]} "
+        f"repeated blocks at the median measured block forward time, backward taken as "
+        f"{BACKWARD_OVER_FORWARD:g}x the forward (the run died before its backward; an assumption). "
+        "These are times of the step it died in, often the first (warm-up, autotuning): absolute costs are "
+        "over-estimated, but recomputation and micro-batching are costed from the same times"
+    )
+    return best[1] * (1 + BACKWARD_OVER_FORWARD)
 
 
 def _batch_size(summary: dict[str, Any]) -> int | None:
