@@ -251,3 +251,17 @@ def test_readme_links_every_sample_report() -> None:
         p.name.removeprefix("gpu-").removesuffix(".jsonl.gz") for p in DATA.glob("gpu-*.jsonl.gz")
     )
     assert folders == traces
+
+
+def test_the_top_of_the_page_names_the_plan_and_the_command_that_applies_it(tmp_path: Path) -> None:
+    """Issue 7, point 1: under the verdict, the recommended config and the one command that applies it."""
+    from memdoctor.report import write_report
+    from memdoctor.trace import load_trace
+
+    trace = load_trace(Path(__file__).parent / "data" / "gpu-bert-base-b32-s512-8gib-oom.jsonl.gz")
+    html = (write_report(trace, tmp_path)["report"]).read_text()
+    top = html[html.index('id="plan-line"') : html.index("</div>", html.index('id="plan-line"'))]
+    assert "Recommended plan for 8.00 GiB" in top and "reserved" in top
+    command = top[top.index('id="apply-command">') + len('id="apply-command">') : top.index("</pre>")]
+    assert command.startswith(f"memdoctor run --config {tmp_path / 'memdoctor.yaml'} ")
+    assert command.endswith("benchmarks/workloads/bert_story.py -- --steps 20 --attn eager")

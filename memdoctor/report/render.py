@@ -84,10 +84,15 @@ def embed_json(data: Any) -> Markup:
     return Markup(text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
-def render_report(trace: Trace, summary: dict[str, Any] | None = None) -> str:
-    """The whole report as one HTML string (``summary`` is computed when not given)."""
+def render_report(
+    trace: Trace, summary: dict[str, Any] | None = None, config_path: str = CONFIG_FILENAME
+) -> str:
+    """The whole report as one HTML string (``summary`` is computed when not given); ``config_path`` is
+    where the plan's ``memdoctor.yaml`` is written, for the command that applies it."""
     summary = summary if summary is not None else an.build_summary(trace)
-    return environment().get_template(TEMPLATE).render(**report_context(trace, summary))
+    context = report_context(trace, summary)
+    context["run"]["apply_command"] = apply_command(trace, config_path)
+    return environment().get_template(TEMPLATE).render(**context)
 
 
 def write_report(trace: Trace, out_dir: Path) -> dict[str, Path]:
@@ -95,7 +100,7 @@ def write_report(trace: Trace, out_dir: Path) -> dict[str, Path]:
     (each atomically); return their paths."""
     out_dir = Path(out_dir)
     summary = an.build_summary(trace)
-    html = render_report(trace, summary)
+    html = render_report(trace, summary, _relative(str((out_dir / CONFIG_FILENAME).absolute()), os.getcwd()))
     paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
     atomic_write(paths["summary"], summary_json(summary))
     atomic_write(paths["report"], html)
@@ -158,12 +163,43 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def script_command(trace: Trace) -> list[str]:
+    """The profiled command as the user would type it: the script (relative to the working folder where
+    it lies inside it) or ``-m module``, then its arguments."""
+    command = trace.header.get("command") or {}
+    script, cwd = command.get("script"), command.get("cwd")
+    if command.get("module"):
+        target = ["-m", str(command["module"])]
+    elif script:
+        target = [_relative(str(script), str(cwd)) if cwd else str(script)]
+    else:
+        target = []
+    return target + [str(a) for a in command.get("argv") or []]
+
+
+def _relative(path: str, folder: str) -> str:
+    """``path`` relative to ``folder`` when it lies inside it (both absolute), else as given."""
+    if not (os.path.isabs(path) and os.path.isabs(folder)):
+        return path
+    inside = os.path.commonpath([path, folder]) == folder
+    return os.path.relpath(path, folder) if inside else path
+
+
+def apply_command(trace: Trace, config_path: str) -> str:
+    """``memdoctor run --config PATH SCRIPT -- ARGS``: the plan applied to the unmodified script."""
+    cmd = script_command(trace)
+    if not cmd:
+        return f"memdoctor run --config {shlex.quote(config_path)} SCRIPT -- ARGS"
+    n = 2 if cmd[0] == "-m" else 1
+    return shlex.join(["memdoctor", "run", "--config", config_path, *cmd[:n], "--", *cmd[n:]])
+
+
 def run_info(trace: Trace) -> dict[str, Any]:
     command = trace.header.get("command") or {}
     created = trace.header.get("created_unix")
     when = datetime.fromtimestamp(created, tz=timezone.utc) if isinstance(created, (int, float)) else None
     return {
-        "argv": shlex.join(str(a) for a in command.get("argv") or []),
+        "argv": shlex.join(script_command(trace)),
         "cwd": command.get("cwd"),
         "created": when.strftime("%Y-%m-%d %H:%M UTC") if when else None,
         "host": trace.header.get("host") or {},
