@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from memdoctor.plan.ninegrid import ninegrid
 from memdoctor.plan.planner import (
     SAFETY_MARGIN,
     Target,
+    alternatives,
     card_table,
     choose_checkpoints,
     every_n_baseline,
@@ -257,12 +259,21 @@ def test_nothing_fits_says_so_and_what_would(bert32: tuple[Trace, dict[str, Any]
 
 
 def test_numerics_levers_only_when_memory_levers_do_not_suffice(bert32: tuple[Trace, dict[str, Any]]) -> None:
+    """Without native bf16, fp16 and the 8-bit optimizer come only when nothing else fits; with native
+    bf16 (the H200 the trace was profiled on) bf16 autocast is in the first tier and, predicted faster,
+    is chosen, while the plan alternatives keep the fastest fp32 config."""
     w = workload(*bert32)
     assert w is not None
+    no_bf16 = dataclasses.replace(w, bf16_native=False)
     for gib in (8, 6, 4):
-        chosen = make_plan(w, Target(gib * GiB)).chosen
+        chosen = make_plan(no_bf16, Target(gib * GiB)).chosen
         assert chosen is not None
         assert chosen.config.precision == "fp32" and chosen.config.optimizer != "8bit"
+    assert w.bf16_native
+    plan = make_plan(w, Target(8 * GiB))
+    assert plan.chosen is not None and plan.chosen.config.precision == "bf16"
+    kept = alternatives(w, Target(8 * GiB), plan)["numerics_preserving"]
+    assert kept is not None and kept["config"]["precision"] == "fp32" and kept["fits"]
 
 
 def test_card_table_answers_which_card(bert32: tuple[Trace, dict[str, Any]]) -> None:

@@ -325,7 +325,9 @@ def test_a_critical_health_finding_stays_first() -> None:
 
 def test_the_cell_breaks_ties_in_the_planner() -> None:
     # attention and the allocator each make it fit at no predicted cost: the order decides
-    w = hand_workload(attention_temporaries=50, reserved_ratio=1.2, candidates=[], gradients_at_peak=100)
+    w = hand_workload(
+        attention_temporaries=50, reserved_ratio=1.2, candidates=[], gradients_at_peak=100, bf16_native=False
+    )
     # as profiled 1100 x 1.2 = 1320; SDPA 1050 x 1.2 = 1260; expandable segments 1100 x 1.1 = 1210
     target = Target(1260, margin=0.0)
     default = make_plan(w, target)

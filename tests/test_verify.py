@@ -119,9 +119,10 @@ def test_oom_then_over_budget_re_plans_until_it_fits(
     assert corrections[0] == 1.0 < corrections[1] < corrections[2]
     # round 2 plans as if the first round had needed OOM_FLOOR x the budget
     assert corrections[1] == pytest.approx(8 * GiB * OOM_FLOOR / rounds[0]["predicted_peak_bytes"], rel=1e-3)
-    # each re-plan asks for less memory before correction: a more aggressive config every round
+    # each re-plan asks for no more memory before correction (a lever such as expandable segments
+    # lowers the reserved prediction only): a more aggressive config every round
     allocated = [r["predicted_allocated_peak_bytes"] for r in rounds]
-    assert allocated[0] > allocated[1] > allocated[2]
+    assert allocated[0] >= allocated[1] >= allocated[2]
     assert all(r["predicted_peak_bytes"] <= 8 * GiB * 0.9 for r in rounds)  # each plan fitted when made
     assert runner.requests[0].config != runner.requests[1].config != runner.requests[2].config
     assert record["stopped"] is None

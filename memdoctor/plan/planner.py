@@ -133,7 +133,7 @@ def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None
         return Plan(target, base, base, base, True, w.peak_bytes)
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
-    for tier in (_tier_one(w), _tier_two(w, target)):
+    for tier in (_tier_one(w, target), _tier_two(w, target)):
         found = [p for p in (_with_checkpoints(w, c, target) for c in tier) if p is not None]
         tried += found
         fitting = [p for p in found if fits(p, target)]
@@ -201,16 +201,25 @@ def _free_levers(w: Workload) -> list[dict[str, Any]]:
     ]
 
 
-def _tier_one(w: Workload) -> list[Config]:
+def _tier_one(w: Workload, target: Target) -> list[Config]:
+    """Levers that keep the script's numbers, and bf16 autocast where the target card runs it natively:
+    bf16 keeps fp32's exponent range (no loss scaling, no overflow: the precision section's overflow and
+    underflow risks are fp16's), and on such a card it is the fastest lever there is. The story ran the
+    search with every precision change last; on the H200 that left bf16's 4x on the table
+    (BENCHMARKS.md, the story's scenario). The numerics-preserving alternative stays in the report."""
+    precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
     return [
-        Config(accumulation=a, optimizer=o, **extra)
+        Config(accumulation=a, precision=p, optimizer=o, **extra)
         for a in _accumulations(w)
+        for p in precisions
         for o in ("as-is", "offload")
         for extra in _free_levers(w)
     ]
 
 
 def _tier_two(w: Workload, target: Target) -> list[Config]:
+    """Only when nothing in tier one fits: fp16 (where the measured ranges make it safe and the card has
+    no bf16) and the 8-bit optimizer."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
     if w.precision_verdict == "fp16_safe" and not target.bf16(w):
         precisions.append("fp16")
@@ -218,7 +227,7 @@ def _tier_two(w: Workload, target: Target) -> list[Config]:
     return [
         Config(accumulation=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
-        if p != "fp32" or o == "8bit"
+        if p == "fp16" or o == "8bit"
     ]
 
 
@@ -282,6 +291,10 @@ def choose_checkpoints(w: Workload, config: Config, target: Target) -> list[Cand
     if best and not fits(_predict(w, _checkpointed(config, best), target), target):
         return []  # the linear estimate was off by rounding: say nothing fits rather than guess
     return best
+
+
+def _reserved(p: Prediction) -> int:
+    return p.reserved_bytes
 
 
 def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
@@ -359,25 +372,25 @@ def alternatives(w: Workload, target: Target, plan: Plan) -> dict[str, dict[str,
     (``make_plan`` stops at the first tier that fits; this looks at both):
 
     * ``chosen``: the planner's pick (null when nothing fits);
-    * ``fastest``: the fitting config with the least predicted slowdown (may use autocast, which
-      ``chosen`` avoids while the numerics-preserving tier fits); null when nothing fits;
+    * ``fastest``: the fitting config with the least predicted slowdown (may use fp16 or the 8-bit
+      optimizer, which ``chosen`` avoids while tier one fits); null when nothing fits;
     * ``least_memory``: the lowest predicted reserved peak of every config evaluated, fitting or not;
     * ``numerics_preserving``: no autocast and no 8-bit optimizer: the fastest one that fits, else the
       one closest to fitting.
 
     Checkpoints are chosen per config only as far as the budget needs them, so ``least_memory`` is the
     least of what the search tried, not the least any config could reach."""
-    keep = [p for p in (_with_checkpoints(w, c, target) for c in _tier_one(w)) if p is not None]
+    keep = [p for p in (_with_checkpoints(w, c, target) for c in _tier_one(w, target)) if p is not None]
     more = [p for p in (_with_checkpoints(w, c, target) for c in _tier_two(w, target)) if p is not None]
     every = [plan.baseline, *keep, *more]
     fitting = [p for p in every if fits(p, target)]
-    same = [p for p in [plan.baseline, *keep] if fits(p, target)]
+    same = [p for p in [plan.baseline, *keep] if fits(p, target) and p.config.precision == "fp32"]
     picks = {
         "chosen": plan.chosen,
         "fastest": min(fitting, key=_cost, default=None),
         "least_memory": min(every, key=lambda p: p.reserved_bytes),
         "numerics_preserving": min(same, key=_cost, default=None)
-        or min([plan.baseline, *keep], key=lambda p: p.reserved_bytes),
+        or min([p for p in [plan.baseline, *keep] if p.config.precision == "fp32"], key=_reserved),
     }
     return {name: _alternative(p, target) if p is not None else None for name, p in picks.items()}
 
@@ -517,7 +530,7 @@ def truncation_alternative(w: Workload, target: Target) -> Prediction | None:
             continue
         configs = [
             dataclasses.replace(c, padding=policy, pad_multiple=PAD_MULTIPLE)
-            for c in _tier_one(w) + _tier_two(w, target)
+            for c in _tier_one(w, target) + _tier_two(w, target)
             if c.padding == "as-is"
         ]
         found = [p for p in (_with_checkpoints(w, c, target) for c in configs) if p is not None]
