@@ -334,10 +334,10 @@ def _hf_checkpointing(state: _State, trainer: Any) -> None:
     args, model, wanted = trainer.args, trainer.model, set(state.config.checkpoint)
     built_later = getattr(trainer, "model_init", None) is not None  # train() builds the model again
     every = None if built_later else _hf_every_n_layers(model, wanted)
-    own = bool(args.gradient_checkpointing)
+    own = bool(_hf_switch(args))
     if every is None:
         if own:
-            args.gradient_checkpointing = False
+            _set_hf_switch(args, False)
         why = (
             "the Trainer builds its model in train() (model_init)"
             if built_later
@@ -348,11 +348,11 @@ def _hf_checkpointing(state: _State, trainer: Any) -> None:
             + (" (the script's gradient_checkpointing=True is turned off)" if own else "")
         )
         return
-    kwargs = dict(args.gradient_checkpointing_kwargs or {})
+    kwargs = dict(_hf_switch(args, "_kwargs") or {})
     kwargs["use_reentrant"] = False
     if every > 1:
         kwargs["every_n_layers"] = every
-    args.gradient_checkpointing, args.gradient_checkpointing_kwargs = True, kwargs
+    _set_hf_switch(args, True, kwargs)
     which = "every layer" if every == 1 else f"every {_ordinal(every)} layer"
     state.say(f"HF Trainer: gradient_checkpointing=True ({which}: the {len(wanted)} chosen modules)")
     state.handled.add("checkpoint")
@@ -361,6 +361,28 @@ def _hf_checkpointing(state: _State, trainer: Any) -> None:
 def _ordinal(k: int) -> str:
     suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
     return f"{k}{suffix}"
+
+
+# transformers 5.2x renamed TrainingArguments' ``gradient_checkpointing[_kwargs]`` to
+# ``activation_checkpointing[_kwargs]`` (the old names stay as deprecated mirrors, resolved in
+# ``__post_init__``, which has run by the time the Trainer exists): set and read both, new name first.
+_HF_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def _hf_switch(args: Any, suffix: str = "") -> Any:
+    for name in _HF_SWITCHES:
+        value = getattr(args, name + suffix, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _set_hf_switch(args: Any, on: bool, kwargs: dict[str, Any] | None = None) -> None:
+    for name in _HF_SWITCHES:
+        if hasattr(args, name):
+            setattr(args, name, on)
+        if kwargs is not None and hasattr(args, name + "_kwargs"):
+            setattr(args, name + "_kwargs", kwargs)
 
 
 def _hf_every_n_layers(model: Any, wanted: set[str]) -> int | None:
@@ -380,7 +402,9 @@ def _hf_every_n_layers(model: Any, wanted: set[str]) -> int | None:
             others = True  # an old-style module that checkpoints its own children: more than planned
     if others or not layers:
         return None
-    enable = getattr(model, "gradient_checkpointing_enable", None)
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
     steps = len(layers) if enable and "every_n_layers" in inspect.signature(enable).parameters else 1
     for k in range(1, steps + 1):
         if {n for i, n in enumerate(layers) if i % k == 0} == wanted:
