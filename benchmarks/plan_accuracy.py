@@ -66,19 +66,8 @@ def build(name: str, tiny: bool, device: Any) -> tuple[Any, Any]:
             return {"input_ids": ids, "labels": ids}
 
         return model.to(device), batch
-    if name == "vit":
-        cfg = (
-            tf.ViTConfig(num_labels=10)
-            if not tiny
-            else tf.ViTConfig(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                intermediate_size=128,
-                image_size=32,
-                patch_size=8,
-            )
-        )
+    if name == "vit":  # the same model as benchmarks/workloads/vit_train.py
+        cfg = _workload("vit_train").build_config(tiny)
         model = tf.ViTForImageClassification(cfg)
 
         def batch(b: int) -> dict[str, Any]:
@@ -86,25 +75,8 @@ def build(name: str, tiny: bool, device: Any) -> tuple[Any, Any]:
             return {"pixel_values": px, "labels": torch.randint(0, 10, (b,), device=device)}
 
         return model.to(device), batch
-    if name == "llama":  # ~1B Llama-style decoder built from a config
-        cfg = tf.LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=16,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            vocab_size=32000,
-            max_position_embeddings=2048,
-        )
-        if tiny:
-            cfg = tf.LlamaConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                vocab_size=1000,
-            )
+    if name == "llama":  # the ~1B decoder of benchmarks/workloads/llama_decoder.py
+        cfg = _workload("llama_decoder").build_config(tiny)
         model, seq = tf.LlamaForCausalLM(cfg), (64 if tiny else 1024)
 
         def batch(b: int) -> dict[str, Any]:
@@ -113,6 +85,16 @@ def build(name: str, tiny: bool, device: Any) -> tuple[Any, Any]:
 
         return model.to(device), batch
     raise SystemExit(f"unknown workload {name!r}")
+
+
+def _workload(name: str) -> Any:
+    """A module of benchmarks/workloads/ (run as scripts there, so their folder goes on the path)."""
+    import importlib
+
+    folder = str(Path(__file__).resolve().parent / "workloads")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
 
 
 BATCH = {"bert": 32, "gpt2": 8, "vit": 64, "llama": 4}

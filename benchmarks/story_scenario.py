@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = [bare(args)]
     runs += memdoctor_runs(args)
-    names = TINY_GRID if args.tiny else tuple(GRID)
-    if args.grid:
-        names = tuple(n.strip() for n in args.grid.split(";"))
+    names = args.grid or (TINY_GRID if args.tiny else tuple(GRID))
     runs += [hand(args, name) for name in names]
     result = summarize(args, runs)
     print_table(runs, result)
@@ -107,7 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true", help="profile with --verify in (b)")
     p.add_argument("--grid", default=None, help="GRID entries to run, separated by ; (default: all)")
     args = p.parse_args(argv)
-    unknown = [n for n in (args.grid or "").split(";") if n.strip() and n.strip() not in GRID]
+    args.grid = tuple(n.strip() for n in (args.grid or "").split(";") if n.strip()) or None
+    unknown = [n for n in args.grid or () if n not in GRID]
     if unknown:
         p.error(f"--grid: unknown {', '.join(unknown)}; known: {', '.join(GRID)}")
     if args.steps is None:

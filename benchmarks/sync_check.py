@@ -28,8 +28,10 @@ import sys
 from pathlib import Path
 
 WRAPPER = "benchmarks/workloads/sync_debug.py"
-DEFAULT = ["benchmarks/workloads/bert_story.py", "--steps", "12", "--batch-size", "8", "--seq-len", "128"]
-DEFAULT += ["--bf16"]
+DEFAULT = [
+    *("benchmarks/workloads/bert_story.py", "--steps", "12"),
+    *("--batch-size", "8", "--seq-len", "128", "--bf16"),
+]
 HOOKS = {"_fwd_pre", "_fwd_post", "on_backward", "on_grad", "_pack", "_collect_fwd_pre", "_collect_fwd_post"}
 HOOKS |= {"on_forward_pre", "on_forward_post", "_root_call"}
 

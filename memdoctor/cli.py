@@ -229,12 +229,16 @@ exit codes:
 """
 
 
-def configure_profile(p: argparse.ArgumentParser) -> None:
-    p.usage = _PROFILE_USAGE
-    p.epilog = _PROFILE_EPILOG
+def _script_command(p: argparse.ArgumentParser, usage: str, epilog: str) -> None:
+    """What ``profile`` and ``run`` share: their help layout and the script (or ``-m MODULE``) to run."""
+    p.usage, p.epilog = usage, epilog
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script, run as `python SCRIPT`")
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module instead, as `python -m MODULE`")
+
+
+def configure_profile(p: argparse.ArgumentParser) -> None:
+    _script_command(p, _PROFILE_USAGE, _PROFILE_EPILOG)
     p.add_argument(
         "--steps",
         type=_arg_type(_count(1)),
@@ -514,11 +518,7 @@ it (exit code 2). Otherwise the exit code is the script's. How each part is appl
 
 
 def configure_run(p: argparse.ArgumentParser) -> None:
-    p.usage = _RUN_USAGE
-    p.epilog = _RUN_EPILOG
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script, run as `python SCRIPT`")
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module instead, as `python -m MODULE`")
+    _script_command(p, _RUN_USAGE, _RUN_EPILOG)
     p.add_argument(
         "--config",
         type=Path,

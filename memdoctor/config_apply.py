@@ -23,7 +23,6 @@ started) raises ``ConfigError`` naming the part: a plan part is never silently d
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +33,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.errors import ConfigError
+from memdoctor.runtime.patching import wrap_forward
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,26 +101,15 @@ class Applied:
 
 def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
     """Recompute ``module``'s forward in backward (non-reentrant ``torch.utils.checkpoint``); return the
-    undo. The wrapper is an instance attribute, which ``nn.Module.__call__`` finds before the class's
-    ``forward``; under ``torch.no_grad()`` the module runs unwrapped (nothing is saved to recompute)."""
-    previous = module.__dict__.get("forward")
-    original = module.forward
+    undo. The wrapper is an instance attribute (``memdoctor.runtime.patching.wrap_forward``); under
+    ``torch.no_grad()`` the module runs unwrapped (nothing is saved to recompute)."""
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
-            return original(*args, **kwargs)
-        return torch_checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return inner(*args, **kwargs)
+        return torch_checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    module.forward = forward
-
-    def undo() -> None:
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
-
-    return undo
+    return wrap_forward(module, checkpointed)
 
 
 def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loader: Any = None) -> Applied:

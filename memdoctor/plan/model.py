@@ -637,6 +637,12 @@ def reserved_ratio(w: Workload, config: Config) -> float:
     return 1.0 + (ratio - 1.0) * EXPANDABLE_GAP_KEPT
 
 
+def checkpointed_gradients(grads: int, config: Config) -> int:
+    """The gradient bytes at the backward peak of ``config`` with modules checkpointed: a share of them
+    with checkpointing alone (the peak comes mid-backward), all of them with micro-batches."""
+    return int(grads * CHECKPOINT_GRADIENT_SHARE) if config.accumulation == 1 else grads
+
+
 def step_floor(w: Workload, config: Config, parts: dict[str, int], assumptions: list[str]) -> int:
     """The optimizer step's own peak: parameters, every gradient, the optimizer state, the fixed rest,
     and the optimizer's temporaries (foreach Adam: one more copy of the parameters it updates)."""
@@ -692,7 +698,7 @@ def memory_parts(
         )
     params, grads = offloaded_state(w, config, assumptions)
     if chosen and config.accumulation == 1:
-        grads = int(grads * CHECKPOINT_GRADIENT_SHARE)
+        grads = checkpointed_gradients(grads, config)
         assumptions.append(
             f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
             "gradients (it comes mid-backward; calibrated on the GPU)"

@@ -25,13 +25,13 @@ from typing import Any
 from memdoctor.analysis.summary import repeated_blocks
 from memdoctor.plan.cards import CARDS, Card
 from memdoctor.plan.model import (
-    CHECKPOINT_GRADIENT_SHARE,
     PAD_MULTIPLE,
     Candidate,
     Config,
     Prediction,
     Workload,
     activation_scale,
+    checkpointed_gradients,
     offloaded_state,
     predict,
     reserved_ratio,
@@ -304,12 +304,11 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     parts = dict(p0.breakdown)
     # Count as ``predict`` does for the checkpointed config: its gradients (a share of them with
     # checkpointing alone), its allocator slack, the optimizer step's own peak.
-    probe = dataclasses.replace(config, checkpoint=("",))
     _, grads = offloaded_state(w, config, [])
-    parts["gradients"] = int(grads * CHECKPOINT_GRADIENT_SHARE) if config.accumulation == 1 else grads
+    parts["gradients"] = checkpointed_gradients(grads, config)
     rest = sum(parts.values()) - parts["activations"]
-    floor = step_floor(w, probe, parts, [])
-    allowed = target.limit_bytes / reserved_ratio(w, probe)
+    floor = step_floor(w, config, parts, [])
+    allowed = target.limit_bytes / reserved_ratio(w, dataclasses.replace(config, checkpoint=("",)))
     room = allowed - rest
     if room <= 0 or floor > allowed:
         return None
