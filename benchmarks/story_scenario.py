@@ -56,6 +56,9 @@ GRID: dict[str, list[str]] = {
     "bf16, micro-batch 16 x2": ["--bf16", "--micro-batch", "16"],
     "bf16, checkpoint every 2nd": ["--bf16", "--checkpoint-every", "2"],
     "bf16, trim padding": ["--bf16", "--trim-padding"],
+    "bf16, checkpoint every 3rd": ["--bf16", "--checkpoint-every", "3"],
+    "bf16, checkpoint every 4th": ["--bf16", "--checkpoint-every", "4"],
+    "bf16, trim padding, micro-batch 16 x2": ["--bf16", "--trim-padding", "--micro-batch", "16"],
 }
 TINY_GRID = ("checkpoint every layer", "trim padding, checkpoint every 2nd")
 
