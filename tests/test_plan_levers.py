@@ -106,6 +106,23 @@ def test_the_search_only_offers_padding_levers_that_were_measured() -> None:
     assert with_pad.chosen.config.pad_multiple == M.PAD_MULTIPLE
 
 
+def test_trimming_that_saves_little_is_not_proposed() -> None:
+    """Batches that change shape cost time (the story on the H200: 2% of the columns cut, 16% slower):
+    trimming is a lever only where the mean batch gets TRIM_MIN_SAVING shorter."""
+    # the story's shape: every batch's longest is close to the padded length
+    near_full = Padding(padded=512, worst_longest=500, longest=(490, 500, 496), percentiles={"p90": 480.0})
+    assert near_full.ratio("longest", M.PAD_MULTIPLE) < 1.0, "it would lower the peak a little"
+    assert not near_full.worth_trimming()
+    assert PAD.worth_trimming()  # the mean batch is 23% shorter
+    tight = Target(990, margin=0.0)
+    plan = make_plan(hand_workload(padding=near_full), tight)
+    assert plan.chosen is not None and plan.chosen.config.padding == "as-is"
+    cut = 1.0 - M.TRIM_MIN_SAVING
+    edge = Padding(padded=100, worst_longest=90, longest=(90,) * 3, percentiles={})
+    assert edge.mean_ratio("longest", M.PAD_MULTIPLE) > cut, "96 of 100 after pad_to_multiple_of 8"
+    assert not edge.worth_trimming()
+
+
 def test_truncation_is_only_an_alternative_labelled_as_changing_the_data() -> None:
     w = hand_workload(padding=PAD, candidates=[], batch_size=1)
     # no checkpoints, no micro-batches: the best without changing the data is bf16 + optimizer offload +

@@ -54,6 +54,12 @@ OPTIMIZERS = ("as-is", "8bit", "offload")
 # only offers it as an alternative, labelled).
 PADDINGS = ("as-is", "longest", "p90", "p99")
 PAD_MULTIPLE = 8  # pad_to_multiple_of the planner proposes (tensor cores like multiples of 8)
+# Trimming padding to each batch's longest sequence is proposed only where the mean batch gets at least
+# this much shorter. Trimmed batches change shape from step to step, and that is not free: on the H200
+# the story's bf16 BERT-base b32 step ran 16% slower trimmed (455 vs 531 samples/s, 2% of the columns
+# cut), and a plan near the cap with trimmed batches had allocator-bound steps of up to 2.4 s
+# (BENCHMARKS.md, the story's scenario). Below this, the dynamic_padding finding still reports it.
+TRIM_MIN_SAVING = 0.10
 # Parameter offload: modules holding at least this share of the parameter bytes are candidates, least
 # forward time per parameter byte first (embeddings, then LM heads); at most this many are tried.
 OFFLOAD_MIN_SHARE = 0.05
@@ -137,6 +143,10 @@ class Padding:
 
     def mean_ratio(self, policy: str, multiple: int) -> float:
         return statistics.mean(self.length(policy, n, multiple) for n in self.longest) / self.padded
+
+    def worth_trimming(self) -> bool:
+        """Does trimming to the longest save enough to pay for batches that change shape?"""
+        return self.mean_ratio("longest", PAD_MULTIPLE) <= 1.0 - TRIM_MIN_SAVING
 
 
 @dataclass

@@ -185,11 +185,16 @@ def _rank(family: str, order: Sequence[str]) -> int:
 
 def _free_levers(w: Workload) -> list[dict[str, Any]]:
     """Combinations of the levers that keep the numerics and the data and cost no time (or save some):
-    trimming padding to the longest sequence (only where that lowers the peak: the longest batch seen
-    is shorter than the padded length; a time-only saving is the ``dynamic_padding`` finding's),
+    trimming padding to the longest sequence (only where that lowers the peak — the longest batch seen
+    is shorter than the padded length — and the mean batch gets ``TRIM_MIN_SAVING`` shorter: batches
+    that change shape cost time; a smaller saving is the ``dynamic_padding`` finding's),
     memory-efficient attention, expandable segments, and parameter offload of the largest, least
     compute-heavy holders; each only where the trace measured what it acts on."""
-    trims = w.padding is not None and w.padding.ratio("longest", PAD_MULTIPLE) < 1.0
+    trims = (
+        w.padding is not None
+        and w.padding.ratio("longest", PAD_MULTIPLE) < 1.0
+        and w.padding.worth_trimming()
+    )
     paddings = [("as-is", 1)] + ([("longest", PAD_MULTIPLE)] if trims else [])
     attention = ["as-is"] + (["sdpa"] if w.attention_temporaries > 0 else [])
     allocator = ["as-is"] + (["expandable"] if w.reserved_ratio > 1.0 else [])
