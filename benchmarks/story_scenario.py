@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
 WORKLOADS_DIR = REPO / "benchmarks" / "workloads"
 TARGET = 0.90
 LAST_STEPS = 8  # samples/s from the median of the last LAST_STEPS step times
+# models are built from configs; a download attempt fails at once instead of waiting on a network
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # name -> the workload's flags; (c)'s hand grid. Every entry keeps the effective batch of 32.
 GRID: dict[str, list[str]] = {
@@ -321,7 +324,9 @@ def execute(run: Run, args: argparse.Namespace, d: Path) -> Run:
     print(f"[{args.workload}] {run.name} ...", flush=True)
     start = time.monotonic()
     try:
-        proc = subprocess.run(run.command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+        proc = subprocess.run(
+            run.command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO, env=OFFLINE
+        )
         (d / "output.txt").write_text(proc.stdout + proc.stderr)
         oom = "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr
         run.status = "ok" if proc.returncode == 0 else ("oom" if oom else "failed")
