@@ -155,8 +155,9 @@ def test_capped_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_vit_lightning_checkpoints_and_times_each_optimizer_step(tmp_path: Path) -> None:
     vit = _workload("vit-lightning")
-    assert vit.ViTClassifier(True, 1e-4, True).model.is_gradient_checkpointing
-    assert not vit.ViTClassifier(True, 1e-4, False).model.is_gradient_checkpointing
+    config = vit.build_config(tiny=True)
+    assert vit.ViTClassifier(config, 1e-4, True).model.is_gradient_checkpointing
+    assert not vit.ViTClassifier(config, 1e-4, False).model.is_gradient_checkpointing
     timing, peak = tmp_path / "steps.jsonl", tmp_path / "peak.json"
     files = ["--timing-file", str(timing), "--peak-file", str(peak)]
     vit.main(

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         disable_tqdm=True,
         **checkpointing_arguments(args.gradient_checkpointing),
     )
-    callbacks = [StepTimingCallback(args.timing_file)] if args.timing_file else []
+    callbacks: list[TrainerCallback] = [StepTimingCallback(args.timing_file)] if args.timing_file else []
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
     oom = False
     try:

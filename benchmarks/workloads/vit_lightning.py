@@ -32,15 +32,15 @@ import lightning.pytorch as pl
 import torch
 from bert_story import apply_cap, env_cap, write_peak  # the story workload's cap and peak file
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import ViTForImageClassification
+from transformers import ViTConfig, ViTForImageClassification
 from vit_train import build_config  # the same ViT-base/16 (or tiny ViT) as the plain-loop workload
 
 
 class ViTClassifier(pl.LightningModule):
-    def __init__(self, tiny: bool, lr: float, gradient_checkpointing: bool) -> None:
+    def __init__(self, config: ViTConfig, lr: float, gradient_checkpointing: bool) -> None:
         super().__init__()
         self.lr = lr
-        self.model = ViTForImageClassification(build_config(tiny))
+        self.model = ViTForImageClassification(config)
         if gradient_checkpointing:
             enable_checkpointing(self.model)
 
@@ -113,12 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def loader(args: argparse.Namespace, image_size: int, num_labels: int, pin: bool) -> DataLoader:
+def loader(args: argparse.Namespace, config: ViTConfig, pin: bool) -> DataLoader:
     """Synthetic images and labels, made on the host like a real loader's; batches of batch-size/N."""
-    n = args.steps * args.batch_size
+    n, size, classes = args.steps * args.batch_size, config.image_size, config.num_labels
+    assert isinstance(size, int) and classes  # build_config's: square images, 10 classes
     g = torch.Generator().manual_seed(args.seed)
-    images = torch.randn(n, 3, image_size, image_size, generator=g)
-    labels = torch.randint(0, num_labels, (n,), generator=g)
+    images = torch.randn(n, 3, size, size, generator=g)
+    labels = torch.randint(0, classes, (n,), generator=g)
     return DataLoader(
         TensorDataset(images, labels),
         batch_size=args.batch_size // args.accumulate,
@@ -135,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     apply_cap(device, args.memory_cap_gib)  # before the model is built
 
-    module = ViTClassifier(args.tiny, args.lr, args.gradient_checkpointing)
-    config = module.model.config
-    data = loader(args, config.image_size, config.num_labels, pin=cuda)
+    config = build_config(args.tiny)
+    module = ViTClassifier(config, args.lr, args.gradient_checkpointing)
+    data = loader(args, config, pin=cuda)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="auto" if args.device == "auto" else args.device,
