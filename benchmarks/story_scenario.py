@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = [bare(args)]
     runs += memdoctor_runs(args)
-    spec = WORKLOADS[args.workload]
+    spec = workload(args)
     names = args.grid or (spec.tiny_grid if args.tiny else tuple(spec.grid))
     runs += [hand(args, name) for name in names]
     result = summarize(args, runs)
@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--grid", default=None, help="the workload's grid entries to run, separated by ; (default: all)"
     )
     args = p.parse_args(argv)
-    grid = WORKLOADS[args.workload].grid
+    grid = workload(args).grid
     args.grid = tuple(n.strip() for n in (args.grid or "").split(";") if n.strip()) or None
     unknown = [n for n in args.grid or () if n not in grid]
     if unknown:
@@ -226,9 +226,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------- the runs
 
 
+def workload(args: argparse.Namespace) -> Workload:
+    return WORKLOADS[args.workload]
+
+
 def workload_args(args: argparse.Namespace, run_dir: Path, *, cap: bool = True, steps: int = 0) -> list[str]:
     """The workload's own arguments: size, steps, the cap (unless memdoctor applies it), timing, peak."""
-    spec = WORKLOADS[args.workload]
+    spec = workload(args)
     out = [*spec.args, "--steps", str(steps or args.steps), "--timing-file", str(run_dir / "steps.jsonl")]
     out += ["--peak-file", str(run_dir / "peak.json")]
     if args.tiny:
@@ -240,17 +244,17 @@ def workload_args(args: argparse.Namespace, run_dir: Path, *, cap: bool = True, 
 
 def batch_size(args: argparse.Namespace) -> int:
     """The workload's effective batch (story: 32, 4 with --tiny); every grid point keeps it."""
-    spec = WORKLOADS[args.workload]
+    spec = workload(args)
     return spec.tiny_batch if args.tiny else spec.batch
 
 
 def budget(args: argparse.Namespace) -> str:
     """memdoctor's --budget: the cap; with --tiny a budget small enough that the tiny model needs a plan."""
-    return WORKLOADS[args.workload].tiny_budget if args.tiny else f"{args.cap_gib:g}GiB"
+    return workload(args).tiny_budget if args.tiny else f"{args.cap_gib:g}GiB"
 
 
 def script(args: argparse.Namespace) -> str:
-    return str(WORKLOADS[args.workload].path)
+    return str(workload(args).path)
 
 
 def bare(args: argparse.Namespace) -> Run:
@@ -262,7 +266,7 @@ def bare(args: argparse.Namespace) -> Run:
 
 def hand(args: argparse.Namespace, name: str) -> Run:
     d = run_dir(args, "c-" + slug(name))
-    spec = WORKLOADS[args.workload]
+    spec = workload(args)
     flags = spec.grid[name]
     run = Run(name, "hand", [sys.executable, script(args), *workload_args(args, d), *flags])
     run.fp32 = spec.fp32(flags)
