@@ -1,5 +1,7 @@
 """The story's scenario, measured (issue 5, point 6): memdoctor's plan against the best hand-tuned config.
 
+``--workload`` picks the scenario (default ``story``, described first; the other two below).
+
 BERT-base sequence classification, batch 32, every sequence padded to 512, fp32, AdamW, a plain loop
 (``benchmarks/workloads/bert_story.py``), under an 8 GiB cap on a larger GPU:
 
@@ -24,12 +26,25 @@ minutes on an H200 (the lead runs it on the device):
 
 ``--tiny`` is a CPU smoke run (a 2-layer BERT, 4 steps, two grid points, a small budget so that there is
 a plan); its figures mean nothing.
+
+The same for the two framework-driven loops of point 6, each under the same cap, with its own hand grid
+through the script's own flags (``WORKLOADS`` below):
+
+- ``--workload gpt2-trainer``: GPT-2 small with the HF ``Trainer`` (``workloads/gpt2_trainer.py``),
+  effective batch 16, sequences of 512 (packed full-length: no padding lever), fp32, the Trainer's AdamW;
+  levers: ``gradient_checkpointing``, micro-batch 8 × 2 / 4 × 4 (``gradient_accumulation_steps``), bf16.
+- ``--workload vit-lightning``: ViT-base/16 in a ``LightningModule`` (``workloads/vit_lightning.py``),
+  batch 64 of 224×224 images, 10 classes, ``precision="32-true"``, AdamW; levers: the HF model's own
+  gradient checkpointing, ``accumulate_grad_batches`` 2 / 4, ``precision="bf16-mixed"``.
+
+samples/s is always the effective batch × 1000 / step ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,9 +54,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-WORKLOAD = REPO / "benchmarks" / "workloads" / "bert_story.py"
+WORKLOADS_DIR = REPO / "benchmarks" / "workloads"
 TARGET = 0.90
 LAST_STEPS = 8  # samples/s from the median of the last LAST_STEPS step times
+# models are built from configs; a download attempt fails at once instead of waiting on a network
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # name -> the workload's flags; (c)'s hand grid. Every entry keeps the effective batch of 32.
 GRID: dict[str, list[str]] = {
@@ -61,6 +78,84 @@ GRID: dict[str, list[str]] = {
     "bf16, trim padding, micro-batch 16 x2": ["--bf16", "--trim-padding", "--micro-batch", "16"],
 }
 TINY_GRID = ("checkpoint every layer", "trim padding, checkpoint every 2nd")
+
+# GPT-2 small, HF Trainer: the scenario passes --batch-size 16 (the workload's default is 8); a grid entry's
+# later --batch-size wins (argparse), and batch-size x grad-accum stays 16.
+GPT2_GRID: dict[str, list[str]] = {
+    "gradient checkpointing": ["--gradient-checkpointing"],
+    "micro-batch 8 x2": ["--batch-size", "8", "--grad-accum", "2"],
+    "micro-batch 4 x4": ["--batch-size", "4", "--grad-accum", "4"],
+    "gradient checkpointing, micro-batch 8 x2": [
+        "--gradient-checkpointing",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+    ],
+    "bf16": ["--bf16"],
+    "bf16, micro-batch 8 x2": ["--bf16", "--batch-size", "8", "--grad-accum", "2"],
+    "bf16, gradient checkpointing": ["--bf16", "--gradient-checkpointing"],
+}
+
+# ViT-base/16, Lightning: --accumulate N loads batches of 64/N and accumulates N of them (the batch stays 64).
+VIT_GRID: dict[str, list[str]] = {
+    "gradient checkpointing": ["--gradient-checkpointing"],
+    "accumulate 2 (32 x2)": ["--accumulate", "2"],
+    "accumulate 4 (16 x4)": ["--accumulate", "4"],
+    "gradient checkpointing, accumulate 2": ["--gradient-checkpointing", "--accumulate", "2"],
+    "bf16-mixed": ["--precision", "bf16-mixed"],
+    "bf16-mixed, accumulate 2": ["--precision", "bf16-mixed", "--accumulate", "2"],
+    "bf16-mixed, gradient checkpointing": ["--precision", "bf16-mixed", "--gradient-checkpointing"],
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One scenario: its script, the batch every run keeps, its hand grid, and how a tiny run differs."""
+
+    script: str  # under benchmarks/workloads
+    batch: int  # the effective batch: of the run as is, of every grid entry, of memdoctor's plan
+    grid: dict[str, list[str]]
+    tiny_grid: tuple[str, ...]  # CPU smoke: a couple of GRID entries
+    tiny_batch: int
+    tiny_budget: str  # small enough that the tiny model needs a plan memdoctor run can apply
+    args: tuple[str, ...] = ()  # the scenario's own script arguments (the same in every run)
+    tiny_args: tuple[str, ...] = ("--tiny", "--device", "cpu")
+    low_precision: tuple[str, ...] = ("--bf16", "--fp16")  # a flag (or value) that leaves fp32 numerics
+
+    @property
+    def path(self) -> Path:
+        return WORKLOADS_DIR / self.script
+
+    def fp32(self, flags: list[str]) -> bool:
+        return not any(f in self.low_precision for f in flags)
+
+
+WORKLOADS: dict[str, Workload] = {
+    # the tiny story peaks at ~4.9 MB (CPU accounting): 4 MiB plans micro-batch 1 x4 (3 MiB adds an
+    # optimizer offload, which memdoctor run does not apply yet)
+    "story": Workload("bert_story.py", 32, GRID, TINY_GRID, tiny_batch=4, tiny_budget="4MiB"),
+    "gpt2-trainer": Workload(
+        "gpt2_trainer.py",
+        16,
+        GPT2_GRID,
+        ("gradient checkpointing, micro-batch 8 x2", "bf16"),
+        tiny_batch=16,  # cheap for the tiny model, and the grid's flags then fit as they are
+        tiny_budget="12MiB",  # the tiny run peaks at ~25 MB (CPU accounting): micro-batch 4 x4
+        args=("--batch-size", "16"),
+        tiny_args=("--tiny",),  # the Trainer picks its device
+    ),
+    "vit-lightning": Workload(
+        "vit_lightning.py",
+        64,
+        VIT_GRID,
+        ("gradient checkpointing, accumulate 2", "bf16-mixed"),
+        tiny_batch=16,
+        tiny_budget="3MiB",  # the tiny run peaks at ~3.3 MB (CPU accounting): micro-batch 8 x2
+        tiny_args=("--tiny", "--device", "cpu", "--batch-size", "16"),
+        low_precision=("bf16-mixed", "16-mixed", "bf16-true", "16-true"),
+    ),
+}
 
 
 @dataclass
@@ -87,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = [bare(args)]
     runs += memdoctor_runs(args)
-    names = args.grid or (TINY_GRID if args.tiny else tuple(GRID))
+    spec = workload(args)
+    names = args.grid or (spec.tiny_grid if args.tiny else tuple(spec.grid))
     runs += [hand(args, name) for name in names]
     result = summarize(args, runs)
     print_table(runs, result)
@@ -98,20 +194,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("story-scenario"))
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny BERT, few steps, two grid points")
+    p.add_argument(
+        "--workload", choices=list(WORKLOADS), default="story", help="the scenario (default story)"
+    )
+    p.add_argument("--out", type=Path, default=None, help="default ./story-scenario (./WORKLOAD-scenario)")
+    p.add_argument(
+        "--tiny", action="store_true", help="CPU smoke run: tiny model, few steps, two grid points"
+    )
     p.add_argument("--cap-gib", type=float, default=8.0, help="the card to emulate (default 8 GiB)")
     p.add_argument(
         "--steps", type=int, default=None, help="optimizer steps per run (default 12; 4 with --tiny)"
     )
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per run (default 150)")
     p.add_argument("--verify", action="store_true", help="profile with --verify in (b)")
-    p.add_argument("--grid", default=None, help="GRID entries to run, separated by ; (default: all)")
+    p.add_argument(
+        "--grid", default=None, help="the workload's grid entries to run, separated by ; (default: all)"
+    )
     args = p.parse_args(argv)
+    grid = workload(args).grid
     args.grid = tuple(n.strip() for n in (args.grid or "").split(";") if n.strip()) or None
-    unknown = [n for n in args.grid or () if n not in GRID]
+    unknown = [n for n in args.grid or () if n not in grid]
     if unknown:
-        p.error(f"--grid: unknown {', '.join(unknown)}; known: {', '.join(GRID)}")
+        p.error(f"--grid: unknown {', '.join(unknown)}; known for {args.workload}: {', '.join(grid)}")
+    if args.out is None:
+        args.out = Path("story-scenario" if args.workload == "story" else f"{args.workload}-scenario")
     if args.steps is None:
         args.steps = 4 if args.tiny else 12
     return args
@@ -120,38 +226,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------- the runs
 
 
+def workload(args: argparse.Namespace) -> Workload:
+    return WORKLOADS[args.workload]
+
+
 def workload_args(args: argparse.Namespace, run_dir: Path, *, cap: bool = True, steps: int = 0) -> list[str]:
     """The workload's own arguments: size, steps, the cap (unless memdoctor applies it), timing, peak."""
-    out = ["--steps", str(steps or args.steps), "--timing-file", str(run_dir / "steps.jsonl")]
+    spec = workload(args)
+    out = [*spec.args, "--steps", str(steps or args.steps), "--timing-file", str(run_dir / "steps.jsonl")]
     out += ["--peak-file", str(run_dir / "peak.json")]
     if args.tiny:
-        out += ["--tiny", "--device", "cpu"]
+        out += spec.tiny_args
     if cap:
         out += ["--memory-cap-gib", str(args.cap_gib)]
     return out
 
 
 def batch_size(args: argparse.Namespace) -> int:
-    """The workload's default batch: 32 (4 with --tiny); every grid point keeps it as the effective batch."""
-    return 4 if args.tiny else 32
+    """The workload's effective batch (story: 32, 4 with --tiny); every grid point keeps it."""
+    spec = workload(args)
+    return spec.tiny_batch if args.tiny else spec.batch
 
 
 def budget(args: argparse.Namespace) -> str:
     """memdoctor's --budget: the cap; with --tiny a budget small enough that the tiny model needs a plan."""
-    return "2MiB" if args.tiny else f"{args.cap_gib:g}GiB"
+    return workload(args).tiny_budget if args.tiny else f"{args.cap_gib:g}GiB"
+
+
+def script(args: argparse.Namespace) -> str:
+    return str(workload(args).path)
 
 
 def bare(args: argparse.Namespace) -> Run:
     d = run_dir(args, "a-bare")
-    run = Run("as is (the story's run)", "bare", [sys.executable, str(WORKLOAD), *workload_args(args, d)])
+    name = "as is (the story's run)" if args.workload == "story" else "as is"
+    run = Run(name, "bare", [sys.executable, script(args), *workload_args(args, d)])
     return execute(run, args, d)
 
 
 def hand(args: argparse.Namespace, name: str) -> Run:
     d = run_dir(args, "c-" + slug(name))
-    flags = GRID[name]
-    run = Run(name, "hand", [sys.executable, str(WORKLOAD), *workload_args(args, d), *flags])
-    run.fp32 = "--bf16" not in flags
+    spec = workload(args)
+    flags = spec.grid[name]
+    run = Run(name, "hand", [sys.executable, script(args), *workload_args(args, d), *flags])
+    run.fp32 = spec.fp32(flags)
     return execute(run, args, d)
 
 
@@ -171,9 +289,7 @@ def memdoctor_runs(args: argparse.Namespace) -> list[Run]:
     profile += ["--force", "--warmup", "1", "--steps", "3", *(["--verify"] if args.verify else [])]
     # memdoctor caps the profiled process itself; the script runs longer than the 4 profiled steps
     script_args = workload_args(args, d, cap=False, steps=max(args.steps, 6))
-    prof = execute(
-        Run("memdoctor profile", "profile", [*profile, str(WORKLOAD), "--", *script_args]), args, d
-    )
+    prof = execute(Run("memdoctor profile", "profile", [*profile, script(args), "--", *script_args]), args, d)
     config = d / "report" / "memdoctor.yaml"
     if not config.exists():
         prof.note = "no memdoctor.yaml: the profile made no plan (see its report)"
@@ -182,7 +298,7 @@ def memdoctor_runs(args: argparse.Namespace) -> list[Run]:
         note = "this memdoctor has no `memdoctor run` (not merged yet)"
         return [prof, Run("memdoctor run --config", "memdoctor", [], status="skipped", note=note)]
     d2 = run_dir(args, "b-run")
-    cmd = [sys.executable, "-m", "memdoctor", "run", "--config", str(config), str(WORKLOAD), "--"]
+    cmd = [sys.executable, "-m", "memdoctor", "run", "--config", str(config), script(args), "--"]
     run = execute(Run("memdoctor run --config", "memdoctor", [*cmd, *workload_args(args, d2)]), args, d2)
     run.fp32 = "precision: fp32" in config.read_text() or "precision:" not in config.read_text()
     return [prof, run]
@@ -209,10 +325,12 @@ def slug(name: str) -> str:
 
 def execute(run: Run, args: argparse.Namespace, d: Path) -> Run:
     """Run one process under the timeout; read its timing and peak files."""
-    print(f"[story] {run.name} ...", flush=True)
+    print(f"[{args.workload}] {run.name} ...", flush=True)
     start = time.monotonic()
     try:
-        proc = subprocess.run(run.command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+        proc = subprocess.run(
+            run.command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO, env=OFFLINE
+        )
         (d / "output.txt").write_text(proc.stdout + proc.stderr)
         oom = "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr
         run.status = "ok" if proc.returncode == 0 else ("oom" if oom else "failed")
@@ -252,6 +370,8 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
     ours = next((r for r in runs if r.kind == "memdoctor"), None)
     mine = ours.samples_per_s if ours else None
     return {
+        "workload": args.workload,
+        "batch": batch_size(args),
         "cap_gib": args.cap_gib,
         "steps": args.steps,
         "tiny": args.tiny,

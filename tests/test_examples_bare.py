@@ -8,7 +8,8 @@ Each script runs from a copy of the repository's layout (``<tmp>/repo/examples/X
 directory elsewhere (``<tmp>/cwd``), and both must stay as they were: a script can only write into the
 repository through a path relative to itself or to the working directory, and checking copies keeps the
 test from failing when someone edits the real repository while it runs. Copying also proves the scripts
-are standalone: they import nothing from the repository.
+are standalone: they import nothing from the repository (a workload may import its sibling workloads,
+``WORKLOAD_SHARED``, which are copied beside it).
 
 Importing torch and transformers dominates each run, so all selected scripts start at once (one thread each)
 when the module's first test asks for them; each test then waits for its own.
@@ -38,7 +39,12 @@ EXAMPLES = [
     "examples/lightning_train.py",
     "examples/accelerate_loop.py",
 ]
-WORKLOADS = ["benchmarks/workloads/bert_story.py", "benchmarks/workloads/gpt2_trainer.py"]
+WORKLOADS = [
+    "benchmarks/workloads/bert_story.py",
+    "benchmarks/workloads/gpt2_trainer.py",
+    "benchmarks/workloads/vit_lightning.py",
+]
+WORKLOAD_SHARED = ["benchmarks/workloads/bert_story.py", "benchmarks/workloads/vit_train.py"]
 TIMING_FILE = "steps.jsonl"
 
 
@@ -61,6 +67,8 @@ def _start(script: str, args: list[str], base: Path) -> Run:
     repo, cwd = base / "repo", base / "cwd"
     copy = repo / script
     copy.parent.mkdir(parents=True)
+    for shared in WORKLOAD_SHARED if script in WORKLOADS else []:
+        shutil.copy2(REPO / shared, repo / shared)
     shutil.copy2(REPO / script, copy)
     cwd.mkdir()
     env = {

@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N-th layer")
     p.add_argument("--micro-batch", type=int, default=None, metavar="M", help="accumulate micro-batches of M")
     p.add_argument("--trim-padding", action="store_true", help="cut all-padding columns of each batch")
-    p.add_argument("--memory-cap-gib", type=float, default=_env_cap(), metavar="G", help="cap CUDA memory")
+    p.add_argument("--memory-cap-gib", type=float, default=env_cap(), metavar="G", help="cap CUDA memory")
     p.add_argument("--peak-file", default=None, metavar="PATH", help="write the peak memory as JSON at exit")
     args = p.parse_args(argv)
     if args.bf16 and args.fp16:
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _env_cap() -> float | None:
+def env_cap() -> float | None:
     value = os.environ.get("STORY_MEMORY_CAP_GIB")
     return float(value) if value else None
 

@@ -10,6 +10,13 @@ through the optimizer that the Trainer wraps, not through code of ours:
 `--tiny` builds a 2-layer, 64-wide GPT-2 with a 1000-token vocabulary (and, unless given, batch 2 and
 length 64) for a CPU smoke run.
 
+For `benchmarks/story_scenario.py --workload gpt2-trainer` (effective batch 16 under an 8 GiB cap), the
+levers are the Trainer's own arguments: `--grad-accum N` (with `--batch-size 16/N`: micro-batching by
+hand), `--gradient-checkpointing` (`TrainingArguments(gradient_checkpointing=True)`, non-reentrant; named
+`activation_checkpointing` in newer transformers) and `--bf16`. `--memory-cap-gib G` (or
+`STORY_MEMORY_CAP_GIB`) and `--peak-file PATH` work as in bert_story.py (the same functions): the cap is
+set before the model is built, the peak JSON is written at exit, with `oom: true` after a CUDA OOM.
+
 Timing: with `--timing-file PATH`, a `TrainerCallback.on_step_end` appends one JSON line
 `{"step": i, "step_ms": ...}` to PATH after every optimizer step i (1-based, the Trainer's global_step),
 flushed at once. `step_ms` is the wall time between consecutive step ends, each taken after
@@ -19,12 +26,14 @@ flushed at once. `step_ms` is the wall time between consecutive step ends, each 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
 from typing import Any
 
 import torch
+from bert_story import apply_cap, env_cap, write_peak  # the story workload's cap and peak file
 from torch.utils.data import Dataset
 from transformers import (
     GPT2Config,
@@ -93,10 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true", help="TrainingArguments(gradient_checkpointing=True)"
+    )
     p.add_argument("--tiny", action="store_true", help="2 layers, 64 wide, vocab 1000: a CPU smoke run")
     p.add_argument("--attn", choices=["eager", "sdpa"], default="sdpa", help="attn_implementation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
+    p.add_argument("--memory-cap-gib", type=float, default=env_cap(), metavar="G", help="cap CUDA memory")
+    p.add_argument("--peak-file", default=None, metavar="PATH", help="write the peak memory as JSON at exit")
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 2 if args.tiny else 8
@@ -105,12 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.manual_seed(args.seed)
-
+def build_config(args: argparse.Namespace) -> GPT2Config:
     if args.tiny:
-        config = GPT2Config(
+        return GPT2Config(
             n_embd=64,
             n_layer=2,
             n_head=2,
@@ -120,8 +131,30 @@ def main(argv: list[str] | None = None) -> None:
             eos_token_id=999,
             attn_implementation=args.attn,
         )
-    else:
-        config = GPT2Config(attn_implementation=args.attn)  # GPT-2 small
+    return GPT2Config(attn_implementation=args.attn)  # GPT-2 small
+
+
+def checkpointing_arguments(on: bool) -> dict[str, Any]:
+    """TrainingArguments' checkpointing switch under the name this transformers reads.
+
+    transformers 5.2x renamed ``gradient_checkpointing[_kwargs]`` to ``activation_checkpointing[_kwargs]``
+    (the old names stay as deprecated mirrors); memdoctor's own HF path checkpoints non-reentrant, so the
+    hand lever does too.
+    """
+    if not on:
+        return {}
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: True, name + "_kwargs": {"use_reentrant": False}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the Trainer trains
+    apply_cap(device, args.memory_cap_gib)
+
+    config = build_config(args)
     if args.seq_len > config.n_positions:
         raise SystemExit(f"--seq-len {args.seq_len} > n_positions {config.n_positions}")
     model = GPT2LMHeadModel(config)
@@ -135,17 +168,25 @@ def main(argv: list[str] | None = None) -> None:
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=device.type == "cpu",
         seed=args.seed,
         report_to="none",
         save_strategy="no",
         logging_strategy="no",
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **checkpointing_arguments(args.gradient_checkpointing),
     )
-    callbacks = [StepTimingCallback(args.timing_file)] if args.timing_file else []
+    callbacks: list[TrainerCallback] = [StepTimingCallback(args.timing_file)] if args.timing_file else []
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
-    result = trainer.train()
+    oom = False
+    try:
+        result = trainer.train()
+    except torch.OutOfMemoryError:
+        oom = True
+        raise
+    finally:
+        write_peak(args.peak_file, device, oom, trainer.state.global_step)
     print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")
 
 
