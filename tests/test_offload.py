@@ -4,14 +4,16 @@ On a CPU-only machine the host and the execution device are the same device, so 
 mechanics that do not depend on a GPU: the swap to the host buffers and back (separate storages, the
 Parameter objects kept), the optimizer's state created on the host, the parametrization copying the
 host parameter in, ties kept, the undo, and that training is the same as without offload (to 1e-6
-relative after 1 and 3 AdamW steps). Pinned memory and the asynchronous copies need CUDA: checked on
-the GPU machine (see the report / docs/config.md).
+relative after 1 and 3 AdamW steps). Pinned memory and the asynchronous copies need CUDA: on a GPU
+machine, ``MEMDOCTOR_TEST_DEVICE=cuda python -m pytest tests/test_offload.py`` runs the same tests with
+the model on the GPU and the host the CPU (the tests of the CPU-only scripts stay on the CPU).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_run import PLAIN, memdoctor_cli, run_script
 
 RTOL = 1e-6
+DEVICE = torch.device(os.environ.get("MEMDOCTOR_TEST_DEVICE", "cpu"))  # where the model runs
 # The loss over 20 steps of tests/scripts/run_plain.py with optimizer offload and the embedding's
 # parameters offloaded, against the unmodified run (docs/config.md, "Offload"): the same fp32 arithmetic
 # on the same device order, so it is equal up to float reassociation; measured difference 0.
@@ -52,7 +55,7 @@ class Tiny(nn.Module):
 
 def _build(tied: bool = False, **opt_kwargs: Any) -> tuple[Tiny, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Tiny(tied)
+    model = Tiny(tied).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **opt_kwargs)
     return model, opt
 
@@ -62,7 +65,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *, clip: fl
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        ids = torch.randint(0, 20, (4, 6), generator=g)
+        ids = torch.randint(0, 20, (4, 6), generator=g).to(DEVICE)
         loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
         loss.backward()
         if clip is not None:
@@ -73,7 +76,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *, clip: fl
 
 
 def _values(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -90,13 +93,13 @@ def _opt_offload(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], N
 
 def _param_offload(*names: str) -> Offload:
     def offload(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
-        return ParameterOffload(model, names, device="cpu", host="cpu", optimizers=[opt]).install()
+        return ParameterOffload(model, names, device=DEVICE, host="cpu", optimizers=[opt]).install()
 
     return offload
 
 
 def _both(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
-    params = ParameterOffload(model, ["embed", "mid"], device="cpu", host="cpu", optimizers=[opt])
+    params = ParameterOffload(model, ["embed", "mid"], device=DEVICE, host="cpu", optimizers=[opt])
     undo_params = params.install()
     undo_opt = OptimizerOffload(opt, host="cpu", resident=params.params.values()).install()
 
@@ -143,6 +146,7 @@ def test_optimizer_state_lives_in_host_buffers_and_the_step_swaps_back() -> None
     handle = opt.register_step_pre_hook(lambda o, a, k: seen.append([p.data_ptr() for p in params]))
     try:
         _train(model, opt, 2)
+        on_host = [opt.state[p]["exp_avg"] for p in params]
     finally:
         handle.remove()
         undo()
@@ -150,9 +154,11 @@ def test_optimizer_state_lives_in_host_buffers_and_the_step_swaps_back() -> None
     assert seen == [masters, masters]  # the optimizer's own step ran on the host master copies
     assert all(m != s for m, s in zip(masters, storages, strict=True))  # separate storages
     assert [p.data_ptr() for p in params] == storages  # the script's parameters swapped back
-    for p in params:
-        state = opt.state[p]
-        assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].data_ptr() not in storages
+    assert all(t.device.type == "cpu" and t.data_ptr() not in storages for t in on_host)
+    assert all(
+        t.is_pinned() == torch.cuda.is_available() for t in offload._buffers[id(params[0])] if t is not None
+    )
+    assert all(opt.state[p]["exp_avg"].device == p.device for p in params)  # the undo put it back beside
     assert "step" not in vars(opt)
 
 
@@ -165,7 +171,9 @@ def test_state_a_checkpoint_loaded_moves_to_the_host_and_state_dict_round_trips(
     undo = OptimizerOffload(opt2, host="cpu").install()
     try:
         opt2.load_state_dict(saved)  # the script resumes before its first step
+        assert opt2.state[model2.mid.weight]["exp_avg"].device == DEVICE  # load_state_dict put it there
         _train(model2, opt2, 1)
+        assert opt2.state[model2.mid.weight]["exp_avg"].device.type == "cpu"  # the first step moved it
         _train(model, opt, 1)
         assert _close(_values(model), _values(model2)) == []
         again = opt2.state_dict()
@@ -183,7 +191,7 @@ def test_a_closure_runs_once_before_the_host_step() -> None:
         def closure() -> torch.Tensor:
             calls.append(1)
             opt.zero_grad()
-            loss = model(torch.arange(6).view(1, 6)).sum()
+            loss = model(torch.arange(6, device=DEVICE).view(1, 6)).sum()
             loss.backward()
             return loss
 
@@ -194,7 +202,7 @@ def test_a_closure_runs_once_before_the_host_step() -> None:
 
 
 def test_lbfgs_is_refused_by_name() -> None:
-    model = Tiny()
+    model = Tiny().to(DEVICE)
     with pytest.raises(ValueError, match="LBFGS evaluates its closure several times"):
         OptimizerOffload(torch.optim.LBFGS(model.parameters()), host="cpu").install()
 
@@ -227,7 +235,7 @@ def test_foreach_and_fused_optimizers_step_on_the_host(flag: str) -> None:
 def test_parameter_offload_keeps_the_parameter_objects_on_the_host() -> None:
     model, opt = _build()
     weight, bias = model.mid.weight, model.mid.bias
-    offload = ParameterOffload(model, ["mid"], device="cpu", host="cpu", optimizers=[opt])
+    offload = ParameterOffload(model, ["mid"], device=DEVICE, host="cpu", optimizers=[opt])
     undo = offload.install()
     try:
         assert parametrize.is_parametrized(model.mid, "weight")
@@ -238,7 +246,8 @@ def test_parameter_offload_keeps_the_parameter_objects_on_the_host() -> None:
         _train(model, opt, 1)
         assert weight.grad is None and opt.state[weight]["exp_avg"].device.type == "cpu"
         model.to(torch.float64)  # a later move/cast: the anchors follow, the host parameters stay
-        assert weight.dtype == torch.float32 and model.mid.weight.dtype == torch.float64
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu"
+        assert model.mid.weight.dtype == torch.float64 and model.mid.weight.device == DEVICE
         model.to(torch.float32)
         model.load_state_dict(model.state_dict())  # the saved keys load back
     finally:
@@ -253,7 +262,7 @@ def test_tied_weights_stay_tied() -> None:
     _train(model, opt, 3)
     base = _values(model)
     model, opt = _build(tied=True)
-    offload = ParameterOffload(model, ["embed"], device="cpu", host="cpu", optimizers=[opt])
+    offload = ParameterOffload(model, ["embed"], device=DEVICE, host="cpu", optimizers=[opt])
     assert offload.tied() == ["head.weight"]
     undo = offload.install()
     try:
@@ -345,3 +354,33 @@ def test_memdoctor_run_names_an_lbfgs_refusal(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="optimizer: offload: LBFGS evaluates its closure"):
         run_script(script, [], {"optimizer": "offload"})
+
+
+FRAMEWORKS = Path(__file__).parent / "scripts"
+
+
+@pytest.mark.parametrize(
+    ("script", "module", "model_class"),
+    [
+        ("fw_hf_trainer.py", "bert.embeddings.word_embeddings", "BertForSequenceClassification"),
+        ("fw_lightning.py", "layer", "Tiny"),
+    ],
+)
+def test_trainer_and_lightning_build_their_optimizer_through_torch_so_offload_applies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, module: str, model_class: str
+) -> None:
+    """The HF Trainer and Lightning build the optimizer with torch.optim (SGD here) inside them: the same
+    generic path finds it and offloads; the weights after training equal the unmodified run's."""
+    monkeypatch.chdir(tmp_path)  # Lightning may write beside the working directory
+    run_script(FRAMEWORKS / script, [str(tmp_path / "base.json")])
+    config = {"optimizer": "offload", "offload_parameters": [module]}
+    lines = run_script(FRAMEWORKS / script, [str(tmp_path / "run.json")], config)
+    assert lines[0].startswith(
+        f"offload: the parameters of 1 module(s) of {model_class} on the host ({module};"
+    )
+    assert lines[1].startswith("offload: SGD's state on the host")
+    base = json.loads((tmp_path / "base.json").read_text())
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["optimizer_steps"] == base["optimizer_steps"] > 0
+    diff = (torch.tensor(run["weights"]) - torch.tensor(base["weights"])).norm()
+    assert diff <= RTOL * torch.tensor(base["weights"]).norm()
