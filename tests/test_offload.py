@@ -384,3 +384,14 @@ def test_trainer_and_lightning_build_their_optimizer_through_torch_so_offload_ap
     assert run["optimizer_steps"] == base["optimizer_steps"] > 0
     diff = (torch.tensor(run["weights"]) - torch.tensor(base["weights"])).norm()
     assert diff <= RTOL * torch.tensor(base["weights"]).norm()
+
+
+def test_an_optimizer_built_after_the_model_was_found_is_named(tmp_path: Path) -> None:
+    script = tmp_path / "two.py"
+    script.write_text(
+        "import torch\nm = torch.nn.Linear(2, 2)\nfirst = torch.optim.AdamW(m.parameters())\n"
+        "second = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for opt in (first, second):\n    m(torch.ones(1, 2)).sum().backward()\n    opt.step()\n"
+    )
+    with pytest.raises(ConfigError, match="optimizer: offload: SGD, built after the model's first optimizer"):
+        run_script(script, [], {"optimizer": "offload"})

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.config import PlanConfig, _from_mapping, check_modules
 from memdoctor.config_apply import _allocator, checkpoint_module
@@ -180,6 +180,8 @@ class Installation:
             resident = list(params.params.values())
             tied = params.tied()
             shown = " ".join(c.offload_parameters[:_SHOWN_NAMES])
+            if len(c.offload_parameters) > _SHOWN_NAMES:
+                shown += f" and {len(c.offload_parameters) - _SHOWN_NAMES} more"
             notes = [f"tied {' '.join(tied)} offloaded with them"] if tied else []
             self.applied(
                 f"offload: the parameters of {len(c.offload_parameters)} module(s) of {cls} on the host "
@@ -200,6 +202,7 @@ class Installation:
                 "of the parameters and gradients, the updated parameters copied back"
                 + "".join(f"; {n}" for n in offload.notes)
             )
+        self._undo.append(_offloaded_only(self, root, optimizers))
 
     def _precision(self, root: nn.Module) -> LossScaling | None:
         c = self.config
@@ -240,6 +243,24 @@ class Installation:
 
 def _mib(params: list[nn.Parameter]) -> str:
     return f"{sum(p.numel() * p.element_size() for p in params) / 2**20:.1f}"
+
+
+def _offloaded_only(inst: Installation, root: nn.Module, offloaded: list[Any]) -> Undo:
+    """An optimizer of the model built after it was found (a second one) has no offload: the first time
+    it steps, stop, naming it, rather than silently keep its state on the device."""
+    looked: set[int] = {id(o) for o in offloaded}
+
+    def check(opt: Any, args: Any, kwargs: Any) -> None:
+        if id(opt) in looked:
+            return
+        looked.add(id(opt))
+        if opt in optimizers_of(root):
+            inst.fail(
+                f"optimizer: offload: {type(opt).__name__}, built after the model's first optimizer, is "
+                "not offloaded (memdoctor run offloads the optimizers that exist when the model is found)"
+            )
+
+    return register_optimizer_step_pre_hook(check).remove
 
 
 def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
