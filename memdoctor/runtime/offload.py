@@ -103,6 +103,62 @@ def host_capturable(
     return notes, undo
 
 
+# torch.optim classes whose fused CPU kernel (torch >= 2.4) computes the same update (dense gradients only)
+_FUSED_ON_CPU = ("Adam", "AdamW")
+
+
+class HostFlags:
+    """The param-group flags for a step on the host, set on each group the step meets (``apply`` each
+    step: ``load_state_dict`` brings new group dicts), put back by ``undo``.
+
+    ``capturable=True`` (CUDA graphs) needs device parameters: False on the host computes the same
+    update. Where the script left the kernel to torch (``fused`` and ``foreach`` unset, Adam/AdamW), the
+    step uses torch's fused CPU kernel: torch's own default there is its per-tensor loop, about 3x slower
+    on the CPU (measured: AdamW, 33M parameters, 2 cores: 51 ms vs 16 ms per step), and the CPU step is
+    offload's main cost. The same update, to float rounding; a script's explicit choice is kept.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, host: torch.device) -> None:
+        self.optimizer = optimizer
+        cls = type(optimizer)
+        self.fuse = (
+            cls.__module__.startswith("torch.optim.")
+            and cls.__name__ in _FUSED_ON_CPU
+            and _fused_on(host.type)
+        )
+        self._seen: list[dict[str, Any]] = []
+        self._changed: list[tuple[dict[str, Any], str, Any]] = []
+        self.notes: list[str] = []
+
+    def apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            if any(group is g for g in self._seen):
+                continue
+            self._seen.append(group)
+            if group.get("capturable"):
+                self._set(group, "capturable", False, "capturable=False on the host")
+            if (
+                self.fuse
+                and group.get("fused") is None
+                and group.get("foreach") is None
+                and not group.get("differentiable")
+                and all(torch.is_floating_point(p) for p in group["params"])
+            ):
+                self._set(group, "fused", True, "stepped with torch's fused CPU kernel (fused=True)")
+
+    def _set(self, group: dict[str, Any], key: str, value: Any, note: str) -> None:
+        self._changed.append((group, key, group.get(key)))
+        group[key] = value
+        if note not in self.notes:
+            self.notes.append(note)
+
+    def undo(self) -> None:
+        while self._changed:
+            group, key, value = self._changed.pop()
+            group[key] = value
+        self._seen.clear()
+
+
 def state_to(
     optimizer: torch.optim.Optimizer,
     where: Callable[[torch.Tensor], torch.device],
@@ -158,7 +214,9 @@ class OptimizerOffload:
         refused = fused_refusal(self.optimizer, lambda p: True, self.host)
         if refused is not None:
             raise ValueError(refused)
-        self.notes, flags_undo = host_capturable(self.optimizer, lambda p: True)
+        flags = HostFlags(self.optimizer, self.host)
+        flags.apply()
+        self.notes = flags.notes
         opt = self.optimizer
         original = opt.step
         offload = self
@@ -170,6 +228,7 @@ class OptimizerOffload:
                     loss = closure()
             moved = offload._to_host()
             try:
+                flags.apply()  # groups a load_state_dict brought since
                 state_to(self_opt, lambda p: offload.host)  # state a checkpoint loaded onto the device
                 original()
             finally:
@@ -184,7 +243,7 @@ class OptimizerOffload:
 
         def undo() -> None:
             step_undo()
-            flags_undo()
+            flags.undo()
             state_to(opt, lambda p: p.device)  # the original step expects its state beside the parameters
 
         return undo
