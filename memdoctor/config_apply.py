@@ -14,8 +14,10 @@ For people who write their own loop::
 
 What is applied: activation checkpointing of exactly the chosen modules (their ``forward`` wrapped with
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, reversible with ``remove()``), autocast in
-the chosen dtype with a ``torch.amp.GradScaler`` for fp16, and accumulation through ``micro_batches``.
-What it cannot apply faithfully (an optimizer swap or offload, padding trimming, an attention
+the chosen dtype with a ``torch.amp.GradScaler`` for fp16, accumulation through ``micro_batches``, and
+offload of the chosen modules' parameters and of the optimizer's state to the host
+(``memdoctor.runtime.offload``; the optimizer must be passed for the latter).
+What it cannot apply faithfully (an optimizer swap, padding trimming, an attention
 implementation, data-loader settings on a loader that already exists, an allocator setting after CUDA
 started) raises ``ConfigError`` naming the part: a plan part is never silently dropped.
 """
@@ -91,7 +93,7 @@ class Applied:
         self.optimizer.zero_grad(set_to_none=True)
 
     def remove(self) -> None:
-        """Undo the checkpointing wrappers: the model's modules are as they were."""
+        """Undo the checkpointing wrappers and the offload: the model and optimizer are as they were."""
         while self._undo:
             self._undo.pop()()
 
@@ -118,11 +120,43 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
     refused = not_applicable(config, loader)
     if refused:
         raise ConfigError("memdoctor.apply cannot apply: " + "; ".join(refused))
+    if config.optimizer == "offload" and optimizer is None:
+        raise ConfigError(
+            "memdoctor.apply cannot apply: optimizer: offload: memdoctor.apply was given no optimizer "
+            "(pass it: memdoctor.apply(config, model, optimizer))"
+        )
     _allocator(config)
     applied = Applied(config, model, optimizer, loader)
+    try:
+        _offload(applied)
+    except ValueError as exc:
+        applied.remove()
+        raise ConfigError(f"memdoctor.apply cannot apply: {exc}") from None
     for name in config.checkpoint:
         applied._checkpoint(model.get_submodule(name))
     return applied
+
+
+def _offload(applied: Applied) -> None:
+    """Parameter offload, then optimizer-state offload (``memdoctor.runtime.offload``; ValueError names
+    a part that cannot apply)."""
+    from memdoctor.runtime.offload import OptimizerOffload, ParameterOffload
+
+    config, optimizer = applied.config, applied.optimizer
+    resident: list[torch.nn.Parameter] = []
+    if config.offload_parameters:
+        optimizers = [] if optimizer is None else [optimizer]
+        params = ParameterOffload(applied.model, config.offload_parameters, optimizers=optimizers)
+        try:
+            applied._undo.append(params.install())
+        except ValueError as exc:
+            raise ValueError(f"offload_parameters: {exc}") from None
+        resident = list(params.params.values())
+    if config.optimizer == "offload":
+        try:
+            applied._undo.append(OptimizerOffload(optimizer, resident=resident).install())
+        except ValueError as exc:
+            raise ValueError(f"optimizer: offload: {exc}") from None
 
 
 def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:
@@ -130,15 +164,8 @@ def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:
     out = []
     if config.optimizer == "8bit":
         out.append("optimizer: 8bit (build bitsandbytes.optim.AdamW8bit yourself with the same settings)")
-    elif config.optimizer == "offload":
-        out.append("optimizer: offload (use DeepSpeed ZeRO-Offload through accelerate; see docs/config.md)")
     if config.padding != "as-is":
         out.append(f"padding: {config.padding} (trim padding in your collate function; see docs/config.md)")
-    if config.offload_parameters:
-        out.append(
-            "offload_parameters: keep these modules' parameters on the CPU yourself (accelerate "
-            "device_map / cpu_offload, DeepSpeed ZeRO-3 offload_param)"
-        )
     if config.attention is not None:
         out.append(
             f"attention: {config.attention} "

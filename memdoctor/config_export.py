@@ -69,15 +69,20 @@ def not_expressed(config: PlanConfig, tool: str) -> list[str]:
         )
     if config.optimizer == "8bit" and tool != "hf":
         out.append("optimizer: 8bit: build bitsandbytes.optim.AdamW8bit with your optimizer's settings")
-    if config.optimizer == "offload":
-        out.append("optimizer: offload: needs DeepSpeed ZeRO-Offload (offload_optimizer_device: cpu)")
+    # memdoctor.apply (the plain-loop snippet) and memdoctor run offload through torch
+    # (memdoctor.runtime.offload); a Trainer's or Accelerator's own arguments cannot: DeepSpeed can.
+    if config.optimizer == "offload" and tool != "plain":
+        out.append(
+            "optimizer: offload: no argument for it; DeepSpeed ZeRO-Offload (offload_optimizer_device: cpu), "
+            "or memdoctor run / memdoctor.apply (the state on the CPU through torch)"
+        )
     if config.padding != "as-is":
         multiple = f" (pad_to_multiple_of={config.pad_to_multiple_of})" if config.pad_to_multiple_of else ""
         out.append(f"padding: {config.padding}: trim padding in the collate function{multiple}")
-    if config.offload_parameters:
+    if config.offload_parameters and tool != "plain":
         out.append(
-            "offload_parameters: place these modules on the CPU (accelerate device_map / DeepSpeed ZeRO-3 "
-            "offload_param)"
+            "offload_parameters: no argument for it (accelerate's device_map / cpu_offload are for "
+            "inference); DeepSpeed ZeRO-3 offload_param, or memdoctor run / memdoctor.apply"
         )
     if config.attention is not None:
         out.append(f"attention: pass attn_implementation={config.attention!r} to from_pretrained")
@@ -90,6 +95,15 @@ def not_expressed(config: PlanConfig, tool: str) -> list[str]:
     return out
 
 
+def _offload_comment(config: PlanConfig) -> list[str]:
+    parts = []
+    if config.offload_parameters:
+        parts.append(f"the parameters of {len(config.offload_parameters)} module(s)")
+    if config.optimizer == "offload":
+        parts.append("the optimizer's state (its step runs on the CPU)")
+    return [f"# offload: {' and '.join(parts)} kept in CPU memory"] if parts else []
+
+
 def plain_loop_snippet(config: PlanConfig, config_path: str = "memdoctor.yaml") -> str:
     """An annotated Python snippet applying the plan in a plain training loop with ``memdoctor.apply``."""
     k = config.accumulation_steps
@@ -99,6 +113,7 @@ def plain_loop_snippet(config: PlanConfig, config_path: str = "memdoctor.yaml") 
         f"config = memdoctor.load_config({config_path!r})",
         "# checkpointing: wraps the forward of exactly "
         + (f"{len(config.checkpoint)} chosen modules" if config.checkpoint else "no module (none chosen)"),
+        *_offload_comment(config),
         "applied = memdoctor.apply(config, model, optimizer)",
         "for batch in loader:",
         f"    # {k} micro-batch(es) per optimizer step; weight = the micro-batch's share of the batch",

@@ -224,8 +224,8 @@ def test_an_attention_implementation_the_model_cannot_take_is_named() -> None:
 
 
 def test_an_optimizer_swap_is_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match="optimizer: offload: memdoctor run cannot"):
-        run_script(PLAIN, ["--steps", "1"], {"optimizer": "offload"})
+    with pytest.raises(ConfigError, match="optimizer: 8bit: memdoctor run cannot swap"):
+        run_script(PLAIN, ["--steps", "1"], {"optimizer": "8bit"})
 
 
 def test_an_unknown_field_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

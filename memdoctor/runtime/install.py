@@ -3,8 +3,9 @@
 At once: the allocator setting, the framework path (``memdoctor.runtime.frameworks``, when present),
 the DataLoader settings and padding trim, and a watch for the model. When the script builds the
 model's optimizer (``memdoctor.runtime.discovery``), before its first training step, the config is
-checked against the model (a stale config stops the run), then checkpointing, autocast, loss scaling
-and micro-batching are installed on it, each printed as one line. A part that cannot be applied stops
+checked against the model (a stale config stops the run), then offload (``memdoctor.runtime.offload``),
+checkpointing, autocast, loss scaling and micro-batching are installed on it, each printed as one line.
+A part that cannot be applied stops
 the run with one line naming it (``fail``), before any optimizer step: a plan part is never silently
 dropped.
 """
@@ -19,16 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.config import PlanConfig, _from_mapping, check_modules
 from memdoctor.config_apply import _allocator, checkpoint_module
 from memdoctor.errors import ConfigError
 from memdoctor.runtime import FrameworkPatch
 from memdoctor.runtime.backward import BackwardPatch
-from memdoctor.runtime.discovery import ModelWatch
+from memdoctor.runtime.discovery import ModelWatch, optimizers_of
 from memdoctor.runtime.loader import LoaderSettings
 from memdoctor.runtime.microbatch import MicroBatching
+from memdoctor.runtime.offload import OptimizerOffload, ParameterOffload
 from memdoctor.runtime.padding import PaddingTrim
 from memdoctor.runtime.patching import Undo, wrap_forward
 from memdoctor.runtime.precision import LossScaling, autocast_forward
@@ -79,8 +81,8 @@ class Installation:
         notes = []
         if self.model is None and self._needs_model():
             notes.append(
-                "NOT applied: the script built no optimizer of a model, so checkpoint, precision and "
-                "accumulation had nothing to apply to"
+                "NOT applied: the script built no optimizer of a model, so checkpoint, precision, "
+                "accumulation and offload had nothing to apply to"
             )
         if self._loader is not None:
             notes.append(self._loader.summary())
@@ -92,7 +94,8 @@ class Installation:
 
     def _needs_model(self) -> bool:
         c = self.config
-        return bool(c.checkpoint) or c.precision != "fp32" or c.accumulation_steps > 1
+        offload = bool(c.offload_parameters) or c.optimizer == "offload"
+        return bool(c.checkpoint) or c.precision != "fp32" or c.accumulation_steps > 1 or offload
 
     # ------------------------------------------------------------------ when the model is found
 
@@ -100,7 +103,7 @@ class Installation:
         """Is ``root`` the model the config was made for? A stale config stops the run here."""
         cls = type(root).__name__
         names = {name for name, _ in root.named_modules()}
-        if all(n in names for n in self.config.checkpoint):
+        if all(n in names for n in (*self.config.checkpoint, *self.config.offload_parameters)):
             return True
         other = self.config.provenance.model_class
         if other and other != cls:
@@ -127,6 +130,7 @@ class Installation:
         if other and other != cls:
             self.say(f"note: the config was made for {other}; this script's model is {cls}")
         self._refuse(root)
+        self._offload(root)  # before the GradScaler's step wrapper: that one must be outermost
         c = self.config
         if c.checkpoint and self.ours("checkpoint"):
             for name in c.checkpoint:
@@ -144,11 +148,10 @@ class Installation:
 
     def _refuse(self, root: nn.Module) -> None:
         c = self.config
-        if c.optimizer != "as-is" and self.ours("optimizer"):
-            way = "bitsandbytes.optim.AdamW8bit" if c.optimizer == "8bit" else "DeepSpeed ZeRO-Offload"
+        if c.optimizer == "8bit" and self.ours("optimizer"):
             self.fail(
-                f"optimizer: {c.optimizer}: memdoctor run cannot swap or offload the script's optimizer "
-                f"(it is built by the script); build it with {way}, or remove optimizer from the config"
+                "optimizer: 8bit: memdoctor run cannot swap the script's optimizer (it is built by the "
+                "script); build it with bitsandbytes.optim.AdamW8bit, or remove optimizer from the config"
             )
         if c.attention is not None and self.ours("attention"):
             setter = getattr(root, "set_attn_implementation", None)
@@ -159,6 +162,47 @@ class Installation:
             except Exception as exc:
                 self.fail(f"attention: {c.attention}: cannot set it on this model: {exc}")
             self.applied(f"attention implementation {c.attention} (set_attn_implementation)")
+
+    def _offload(self, root: nn.Module) -> None:
+        """Parameter offload first (the optimizer's state does not exist yet: it is being built), then
+        the optimizer-state offload of each optimizer of the model (memdoctor.runtime.offload)."""
+        c = self.config
+        cls = type(root).__name__
+        optimizers = optimizers_of(root)
+        resident: list[nn.Parameter] = []
+        if c.offload_parameters:
+            params = ParameterOffload(root, c.offload_parameters, optimizers=optimizers)
+            try:
+                self._undo.append(params.install())
+            except ValueError as exc:
+                self.fail(f"offload_parameters: {exc}")
+                return
+            resident = list(params.params.values())
+            tied = params.tied()
+            shown = " ".join(c.offload_parameters[:_SHOWN_NAMES])
+            if len(c.offload_parameters) > _SHOWN_NAMES:
+                shown += f" and {len(c.offload_parameters) - _SHOWN_NAMES} more"
+            notes = [f"tied {' '.join(tied)} offloaded with them"] if tied else []
+            self.applied(
+                f"offload: the parameters of {len(c.offload_parameters)} module(s) of {cls} on the host "
+                f"({shown}; {len(resident)} tensors, {_mib(resident)} MiB), copied in while they run"
+                + "".join(f"; {n}" for n in [*notes, *params.notes])
+            )
+        if c.optimizer != "offload" or not self.ours("optimizer"):
+            return
+        for opt in optimizers:
+            offload = OptimizerOffload(opt, resident=resident)
+            try:
+                self._undo.append(offload.install())
+            except ValueError as exc:
+                self.fail(f"optimizer: offload: {exc}")
+                return
+            self.applied(
+                f"offload: {type(opt).__name__}'s state on the host; its step runs there on host copies "
+                "of the parameters and gradients, the updated parameters copied back"
+                + "".join(f"; {n}" for n in offload.notes)
+            )
+        self._undo.append(_offloaded_only(self, root, optimizers))
 
     def _precision(self, root: nn.Module) -> LossScaling | None:
         c = self.config
@@ -195,6 +239,28 @@ class Installation:
             f"{type(root).__name__}.forward, gradients accumulated; the script's optimizer steps and "
             "LR schedule are unchanged"
         )
+
+
+def _mib(params: list[nn.Parameter]) -> str:
+    return f"{sum(p.numel() * p.element_size() for p in params) / 2**20:.1f}"
+
+
+def _offloaded_only(inst: Installation, root: nn.Module, offloaded: list[Any]) -> Undo:
+    """An optimizer of the model built after it was found (a second one) has no offload: the first time
+    it steps, stop, naming it, rather than silently keep its state on the device."""
+    looked: set[int] = {id(o) for o in offloaded}
+
+    def check(opt: Any, args: Any, kwargs: Any) -> None:
+        if id(opt) in looked:
+            return
+        looked.add(id(opt))
+        if opt in optimizers_of(root):
+            inst.fail(
+                f"optimizer: offload: {type(opt).__name__}, built after the model's first optimizer, is "
+                "not offloaded (memdoctor run offloads the optimizers that exist when the model is found)"
+            )
+
+    return register_optimizer_step_pre_hook(check).remove
 
 
 def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
