@@ -14,13 +14,13 @@ from memdoctor import exitcodes
 from memdoctor.analysis.summary import build_summary
 from memdoctor.analysis.verify import report_section, verified
 from memdoctor.cli import main, parse_args
-from memdoctor.config import load_config
+from memdoctor.config import config_for_summary, load_config
+from memdoctor.plan.model import corrected_workload
 from memdoctor.report.render import render_report
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
 from memdoctor.runner.verify import (
     OOM_FLOOR,
     RECORD_NAME,
-    corrected_workload,
     error_factor,
     measure,
     nothing_to_verify,
@@ -128,6 +128,36 @@ def test_oom_then_over_budget_re_plans_until_it_fits(
     assert record["stopped"] is None
     assert sum("re-planned with" in line for line in lines) == 2
     assert any("apply" in line and "verify-3" in line for line in lines)
+
+
+def test_after_a_re_plan_that_fits_the_report_plans_as_that_round(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    """memdoctor.yaml beside the first report must be the plan a verified run fitted, not the first one
+    (which `memdoctor run --config` would otherwise apply and run out of memory with)."""
+    trace, summary = first_run
+    first = summary["plan"]
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 6 * GiB)])
+    record, _ = _verify(first_run, tmp_path, runner)
+    assert [r["outcome"] for r in record["rounds"]] == ["oom", "fits"]
+    trace.collected[RECORD_NAME] = record
+    summary2 = build_summary(trace)
+    plan = summary2["plan"]
+    assert plan["config"] != first["config"]
+    written = config_for_summary(trace, summary2)
+    assert written is not None
+    applied = dict(runner.requests[1].config or {})
+    assert {k: v for k, v in written.as_dict().items() if k != "provenance"} == {
+        k: v for k, v in applied.items() if k != "provenance"
+    }
+    # the same re-plan (the recorded correction is rounded)
+    assert plan["predicted_reserved_bytes"] == pytest.approx(
+        record["rounds"][1]["predicted_peak_bytes"], rel=1e-4
+    )
+    assert "as in verify round 2" in plan["advice"][0]
+    # a last round that did not fit changes nothing: the report keeps the first plan, and says why elsewhere
+    trace.collected[RECORD_NAME] = {**record, "rounds": record["rounds"][:1]}
+    assert build_summary(trace)["plan"]["config"] == first["config"]
 
 
 def test_rounds_are_capped(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ from typing import Any
 
 from memdoctor.analysis.compute import LOW_SHARE
 from memdoctor.analysis.data import PADDING_HIGH, PADDING_NOTABLE
+from memdoctor.analysis.verify import rounds
 from memdoctor.plan.cards import CONTEXT_RESERVE_BYTES
-from memdoctor.plan.model import workload
+from memdoctor.plan.model import corrected_workload, workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW, ninegrid, priority
 from memdoctor.plan.planner import Target, alternatives, card_table, make_plan
 from memdoctor.plan.rules import RuleInput, run_rules
@@ -49,8 +50,17 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         )
     plan = None
     if w is not None and target is not None:
-        made = make_plan(w, target, order)
-        plan = {**made.as_dict(), "alternatives": alternatives(w, target, made)}
+        verified = verified_correction(trace)
+        pw = w if verified is None else corrected_workload(w, verified[0])
+        made = make_plan(pw, target, order)
+        plan = {**made.as_dict(), "alternatives": alternatives(pw, target, made)}
+        if verified is not None:
+            plan["advice"].insert(
+                0,
+                f"re-planned with memory predictions raised x{verified[0]:.2f}, as in verify round "
+                f"{verified[1]}, which fitted the budget: the first plan's verified run needed more memory "
+                "than predicted (Measured vs predicted)",
+            )
     return {
         "ninegrid": grid,
         "lever_priority": ranked,
@@ -59,6 +69,17 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         "reason": reason,
         "workload": w,
     }
+
+
+def verified_correction(trace: Trace) -> tuple[float, int] | None:
+    """(correction, round) when ``profile --verify`` re-planned and its last round fitted: the plan of
+    the report and of memdoctor.yaml is then that round's (the same re-plan: the same workload raised by
+    the same factor), not the first one, which a verified run showed does not fit. None otherwise."""
+    done = rounds(trace)
+    if not done or not done[-1]["fits"]:
+        return None
+    factor = done[-1]["correction"]
+    return (float(factor), len(done)) if factor and factor > 1.0 else None
 
 
 def summarize(trace: Trace, summary: dict[str, Any]) -> None:

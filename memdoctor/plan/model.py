@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memdoctor.analysis.summary import layer_table, peak_step, repeated_blocks
@@ -324,7 +324,9 @@ def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         amp_share=_amp_share(rows),
         matmul_param_bytes=sum(r["param_bytes"] for r in rows if AMP_HALVING_TYPES.search(r["type"] or "")),
         step_ms=_step_ms(summary),
-        fwd_bwd_ms=_fwd_bwd_ms(summary) or (None if complete else _estimated_fwd_bwd(trace, rows, notes)),
+        fwd_bwd_ms=_fwd_bwd_ms(summary)
+        or _warmup_fwd_bwd(trace, notes)
+        or (None if complete else _estimated_fwd_bwd(trace, rows, notes)),
         compute_class=(summary.get("compute") or {}).get("class"),
         batch_size=_batch_size(summary),
         complete=complete,
@@ -477,6 +479,22 @@ def _fwd_bwd_ms(summary: dict[str, Any]) -> float | None:
     if phases.get("forward") is None or phases.get("backward") is None:
         return None
     return float(phases["forward"] + phases["backward"])
+
+
+def _warmup_fwd_bwd(trace: Trace, notes: list[str]) -> float | None:
+    """Forward + backward ms of the last complete warm-up step, for a run whose profiled steps have no
+    phase times (it died of OOM in the first profiled step, as ViT-base b64 did at step 1 once AdamW's
+    state arrived). Warm-up times include first-call costs (autotuning, allocation): an over-estimate,
+    but every lever's time is costed from the same figure, so their ranking holds."""
+    for step in reversed(trace.steps):
+        forward, backward = step.phases_ms.get("forward"), step.phases_ms.get("backward")
+        if step.warmup and step.complete and forward and backward:
+            notes.append(
+                f"forward + backward time {forward + backward:.1f} ms from warm-up step {step.step} (no "
+                "profiled step finished; warm-up includes first-call costs: an over-estimate)"
+            )
+            return float(forward + backward)
+    return None
 
 
 # Backward over forward time: backward computes two matmuls (input and weight gradients) for every one of
@@ -782,6 +800,16 @@ def optimizer_bytes(w: Workload, config: Config, assumptions: list[str]) -> int:
         assumptions.append("optimizer state offloaded: none of it on the GPU (the step runs on the CPU)")
         return 0
     return w.optimizer_state
+
+
+def corrected_workload(w: Workload, factor: float) -> Workload:
+    """``w`` with every predicted reserved peak raised ``factor``-fold.
+
+    The planner predicts reserved = allocated x ``reserved_ratio`` and checks the budget against it,
+    so scaling that ratio is the planner's correction factor: no other part of the model changes. It is
+    deliberately blunt (the whole peak, not the part that was wrong) and so errs towards memory."""
+    note = f"memory predictions raised x{factor:.3f}: a verified run measured that much more than predicted"
+    return replace(w, reserved_ratio=w.reserved_ratio * factor, notes=[*w.notes, note])
 
 
 # ----------------------------------------------------------------------------------------- time

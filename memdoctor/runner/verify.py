@@ -29,7 +29,7 @@ from memdoctor.analysis.plan import summary_target
 from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
 from memdoctor.errors import MemdoctorError
 from memdoctor.outputs import ensure_writable
-from memdoctor.plan.model import Workload, _batch_size, workload
+from memdoctor.plan.model import Workload, _batch_size, corrected_workload, workload
 from memdoctor.plan.planner import Target, make_plan
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
 from memdoctor.trace import Trace, load_trace
@@ -105,7 +105,8 @@ class _Rounds:
             if stopped is not None or r["fits"]:
                 return done, stopped
             correction *= error_factor(r, self.target.budget_bytes)
-            plan = make_plan(corrected_workload(w, correction), self.target).as_dict()
+            order = (self.summary.get("lever_priority") or {}).get("order")  # as the report's plan does
+            plan = make_plan(corrected_workload(w, correction), self.target, order).as_dict()
             if not plan["fits"]:
                 return done, (
                     f"with memory predictions raised x{correction:.2f} (what round {k} measured), nothing "
@@ -276,16 +277,6 @@ def error_factor(r: dict[str, Any], budget: int) -> float:
         measured = max(measured, float(budget)) * OOM_FLOOR
     predicted = float(r["predicted_peak_bytes"] or 0)
     return max(1.0, measured / predicted) if predicted > 0 else OOM_FLOOR
-
-
-def corrected_workload(w: Workload, factor: float) -> Workload:
-    """``w`` with every predicted reserved peak raised ``factor``-fold.
-
-    The planner predicts reserved = allocated x ``reserved_ratio`` and checks the budget against it,
-    so scaling that ratio is the planner's correction factor: no other part of the model changes. It is
-    deliberately blunt (the whole peak, not the part that was wrong) and so errs towards memory."""
-    note = f"memory predictions raised x{factor:.3f}: a verified run measured that much more than predicted"
-    return dataclasses.replace(w, reserved_ratio=w.reserved_ratio * factor, notes=[*w.notes, note])
 
 
 # ----------------------------------------------------------------------------------------- terminal
