@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_run import PLAIN, memdoctor_cli, run_script
 
 RTOL = 1e-6
-DEVICE = torch.device(os.environ.get("MEMDOCTOR_TEST_DEVICE", "cpu"))  # where the model runs
+# where the model runs; "cuda" means cuda:0, as tensors report it (torch.device("cuda") != cuda:0)
+DEVICE = torch.device(os.environ.get("MEMDOCTOR_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and DEVICE.index is None:
+    DEVICE = torch.device("cuda", 0)
 # The loss over 20 steps of tests/scripts/run_plain.py with optimizer offload and the embedding's
 # parameters offloaded, against the unmodified run (docs/config.md, "Offload"): the same fp32 update,
 # computed by torch's fused CPU AdamW instead of its per-tensor loop, so equal to float rounding;
