@@ -114,6 +114,23 @@ def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
     return wrap_forward(module, checkpointed)
 
 
+def no_kv_cache(root: torch.nn.Module) -> Callable[[], None] | None:
+    """With modules checkpointed, switch a Hugging Face model's KV cache off (``config.use_cache``), as
+    HF's own gradient checkpointing does in training: a recomputed attention block appends its keys and
+    values to the cache a second time (on the H200, 2 GiB of a 0.95B decoder's 10.15 GiB peak was
+    ``DynamicCache.update``), and a training step never reads it. Returns the undo; None when the model
+    has no such switch or it is already off (a ``use_cache=True`` the script passes itself still wins)."""
+    config = getattr(root, "config", None)
+    if config is None or getattr(config, "use_cache", None) is not True:
+        return None
+    config.use_cache = False
+
+    def undo() -> None:
+        config.use_cache = True
+
+    return undo
+
+
 def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loader: Any = None) -> Applied:
     """Apply ``config`` to ``model`` (see the module docstring); ``ConfigError`` names what cannot apply."""
     check_modules(config, [name for name, _ in model.named_modules()], type(model).__name__)
@@ -134,6 +151,10 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
         raise ConfigError(f"memdoctor.apply cannot apply: {exc}") from None
     for name in config.checkpoint:
         applied._checkpoint(model.get_submodule(name))
+    if config.checkpoint:
+        undo = no_kv_cache(model)
+        if undo is not None:
+            applied._undo.append(undo)
     return applied
 
 

@@ -364,3 +364,33 @@ def test_the_report_shows_the_config_and_says_when_there_is_none(tmp_path: Path)
     assert report_section(load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"), {"plan": None}) is None
     text = environment().get_template("sections/config.html.j2").render(ctx=None)
     assert "Not measured: no plan to apply" in text
+
+
+def _tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).train()
+
+
+def test_checkpointing_an_hf_model_switches_its_kv_cache_off_and_back() -> None:
+    """A recomputed attention block appends to the KV cache again (on the H200: 2 GiB of a 0.95B
+    decoder's peak), so memdoctor turns `use_cache` off while checkpointing, as HF's own switch does."""
+    ids = torch.randint(0, 64, (2, 12))
+    model = _tiny_llama()
+    assert model.config.use_cache is True
+    applied = memdoctor.apply(PlanConfig(checkpoint=("model.layers.0", "model.layers.1")), model)
+    try:
+        assert model.config.use_cache is False
+        out = model(input_ids=ids, labels=ids)
+        assert out.past_key_values is None
+        out.loss.backward()
+    finally:
+        applied.remove()
+    assert model.config.use_cache is True
+    # the same model without memdoctor builds a cache in training: the thing switched off
+    assert model(input_ids=ids, labels=ids).past_key_values is not None

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.config import PlanConfig, _from_mapping, check_modules
-from memdoctor.config_apply import _allocator, checkpoint_module
+from memdoctor.config_apply import _allocator, checkpoint_module, no_kv_cache
 from memdoctor.errors import ConfigError
 from memdoctor.runtime import FrameworkPatch
 from memdoctor.runtime.backward import BackwardPatch
@@ -138,6 +138,13 @@ class Installation:
             shown = " ".join(c.checkpoint[:_SHOWN_NAMES])
             more = f" and {len(c.checkpoint) - _SHOWN_NAMES} more" if len(c.checkpoint) > _SHOWN_NAMES else ""
             self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}{more}")
+            undo = no_kv_cache(root)
+            if undo is not None:
+                self._undo.append(undo)
+                self.applied(
+                    f"{cls}.config.use_cache = False while checkpointing, as HF's gradient checkpointing "
+                    "does (recomputed attention would fill the KV cache twice; training never reads it)"
+                )
         precision = c.precision != "fp32" and self.ours("precision")
         scaling = self._precision(root) if precision else None
         accumulation = c.accumulation_steps > 1 and self.ours("accumulation")
