@@ -155,6 +155,8 @@ class ProfileSession:
         # (parameter, (model, module index)) of every discovered model, for the per-step scans.
         self._flat_params: list[tuple[torch.Tensor, tuple[int, int]]] = []
         self._grads_counted: set[int] = set()
+        # id(parameter) -> (storage address, bytes) of its device gradient, as the gradient hook saw it
+        self._grad_at: dict[int, tuple[int, int]] = {}
         self._root_modules: list[nn.Module] = []
         self._param_handles: list[Any] = []
         self._stack: list[_Frame] = []
@@ -494,6 +496,7 @@ class ProfileSession:
         if not data.forwards:
             self._grads_live = self._count_grads()
             self._grads_counted = {id(p) for p, _ in self._flat_params if p.grad is not None}
+            self._grad_at = {}
         data.forwards += 1
         data.bwd_since_fwd = False
 
@@ -521,21 +524,22 @@ class ProfileSession:
     def _on_device(self, t: torch.Tensor) -> bool:
         return self._resident is None or self._resident(t)
 
-    def _grad_on_device(self, p: torch.Tensor) -> int:
-        """Bytes of ``p``'s gradient on the profiled device (0 when it has none there).
+    def _device_grad(self, p: torch.Tensor) -> tuple[int | None, int]:
+        """(storage address, bytes) of ``p``'s gradient on the profiled device; (None, 0) without one.
 
         A parameter that lives on the device but whose data is on the host now is being stepped on the
         host (``memdoctor.runtime.offload.OptimizerOffload`` swaps ``p.data`` and ``p.grad`` to host
         copies for the optimizer's own step): its device gradient is still allocated, held by the
-        swap, and is as large as the host copy that stands in for it."""
+        swap, as large as the host copy that stands in for it; its address is the one the gradient hook
+        saw in backward (None on steps without that hook)."""
         g = p.grad
         if g is None:
-            return 0
+            return None, 0
         if self._on_device(g):
-            return storage_nbytes(g)
+            return storage_key(g), storage_nbytes(g)
         if self._home.get(id(p), False) and not self._on_device(p):
-            return g.numel() * g.element_size()
-        return 0
+            return self._grad_at.get(id(p)) or (None, g.numel() * g.element_size())
+        return None, 0
 
     def on_backward(self, event: str, key: int, depth: int, grad: Any = None) -> None:
         """Called from tensor hooks, on autograd's thread, as a module's backward starts or ends."""
@@ -562,7 +566,8 @@ class ProfileSession:
         grad = param.grad
         if id(param) not in self._grads_counted and grad is not None and self._on_device(grad):
             self._grads_counted.add(id(param))
-            self._grads_live += storage_nbytes(grad)
+            at = self._grad_at[id(param)] = (storage_key(grad), storage_nbytes(grad))
+            self._grads_live += at[1]
 
     # ------------------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -772,24 +777,18 @@ class ProfileSession:
         out: dict[tuple[int, int], int] = {}
         seen: dict[int, int] = {}  # storage address -> bytes, of the gradients on the device
         for p, loc in self._flat_params:
-            g = p.grad
-            if g is None:
+            if p.grad is None:
                 continue
-            if self._on_device(g):
-                st = g.untyped_storage()
-                key = st.data_ptr()
-                if key not in seen:
-                    seen[key] = st.nbytes()
-                    out[loc] = out.get(loc, 0) + seen[key]
-            else:  # on the host; counted only when it stands in for a device gradient (a swap)
-                n = self._grad_on_device(p)
-                if n:
-                    out[loc] = out.get(loc, 0) + n
+            key, n = self._device_grad(p)
+            if n and (key is None or key not in seen):
+                out[loc] = out.get(loc, 0) + n
+                if key is not None:
+                    seen[key] = n
         self._data.grad_ptrs = seen
         return out
 
     def _count_grads(self) -> int:
-        return sum(self._grad_on_device(p) for p, _ in self._flat_params if p.grad is not None)
+        return sum(self._device_grad(p)[1] for p, _ in self._flat_params if p.grad is not None)
 
     def _opt_state_by_module(self) -> dict[tuple[int, int], int]:
         # Optimizer state is created once and updated in place: rescan only when it grows or moves
