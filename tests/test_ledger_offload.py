@@ -75,6 +75,9 @@ def test_resident_check_counts_every_tensor_on_a_cpu_session_and_only_the_gpus_o
     assert on_gpu1 is not None
     assert on_gpu1(_Indexed(1)) and not on_gpu1(_Indexed(0))  # type: ignore[arg-type]
     assert not on_gpu1(torch.zeros(2))  # a host tensor (get_device() is -1)
+    if ON_GPU:
+        here = resident_check(CudaDevice())
+        assert here is not None and here(torch.zeros(2, device=DEVICE)) and not here(torch.zeros(2))
 
 
 def _host_tensors(
