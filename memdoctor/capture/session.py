@@ -101,6 +101,10 @@ class ProfileSession:
         self.warmup = warmup
         self.sink: Sink = sink or (lambda rec: None)
         self.device = device or default_device()
+        # Which tensors the ledger counts: those on the profiled device (None: all of them, a CPU
+        # session). Offload keeps optimizer state, and chosen parameters and their gradients, on the
+        # host; the allocator does not hold them, so neither may the ledger's categories.
+        self._resident = resident_check(self.device)
         self.on_done = on_done or self.stop
         # Modules called deeper than time_depth keep their memory accounting but get no timing sample
         # (a CUDA event costs ~14 us of host time); None picks the depth after the first step so that
@@ -140,12 +144,19 @@ class ProfileSession:
         self._stepped: set[int] = set()  # optimizers stepped in the step in progress
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
-        self._param_ptrs: dict[int, int] = {}  # storage address -> bytes, of every known parameter
+        self._param_ptrs: dict[int, int] = {}  # storage address -> bytes, of known parameters on the device
+        # id(parameter) -> whether it lives on the profiled device, as seen outside optimizer steps
+        # (inside one, an offloaded optimizer has swapped its parameters to host copies).
+        self._home: dict[int, bool] = {}
+        self._in_opt = False  # between the optimizer step's pre and post hooks
+        self._params_stale = False  # parameters to recount once the optimizer step is over
         self._opt_cache: tuple[Any, ...] | None = None
         self._roots_seen: set[int] = set()
         # (parameter, (model, module index)) of every discovered model, for the per-step scans.
         self._flat_params: list[tuple[torch.Tensor, tuple[int, int]]] = []
         self._grads_counted: set[int] = set()
+        # id(parameter) -> (storage address, bytes) of its device gradient, as the gradient hook saw it
+        self._grad_at: dict[int, tuple[int, int]] = {}
         self._root_modules: list[nn.Module] = []
         self._param_handles: list[Any] = []
         self._stack: list[_Frame] = []
@@ -458,6 +469,7 @@ class ProfileSession:
 
     def _root_call(self, module: nn.Module) -> None:
         self._fault_at = None  # an exception the script caught is history now
+        self._in_opt = False  # a forward runs outside any optimizer step (one that raised never ended)
         data = self._data
         if data.opt_posts and data.forwards and self._cycle_done():
             self._finalize_step()
@@ -467,10 +479,14 @@ class ProfileSession:
             self._emit_ready(wait=False)
         if self._done:
             return
-        if id(module) not in self._roots_seen:
+        new_root = id(module) not in self._roots_seen
+        if new_root:
             self._roots_seen.add(id(module))
             self._root_modules.append(module)
-            self._note_params(module)
+        if new_root or self._params_stale or not data.forwards:
+            # Recounted at each step's first forward: parameters moved (offloaded, or back) since count
+            # where they are now.
+            self._note_params()
         # A new micro-batch starts with the step's first top-level call, or the first one after a
         # backward; further top-level calls (a loss module called outside forward) join it.
         if data.forwards and not data.bwd_since_fwd:
@@ -480,15 +496,50 @@ class ProfileSession:
         if not data.forwards:
             self._grads_live = self._count_grads()
             self._grads_counted = {id(p) for p, _ in self._flat_params if p.grad is not None}
+            self._grad_at = {}
         data.forwards += 1
         data.bwd_since_fwd = False
 
-    def _note_params(self, root: nn.Module) -> None:
-        for p in root.parameters():
-            key = storage_key(p)
-            if key not in self._param_ptrs:
-                self._param_ptrs[key] = storage_nbytes(p)
-                self._params_bytes += self._param_ptrs[key]
+    def _note_params(self) -> None:
+        """Count the parameters of every model seen that live on the profiled device.
+
+        Never inside an optimizer step: an offloaded optimizer steps host copies swapped into
+        ``p.data`` there, which are not the device's parameters; the count waits for the next forward."""
+        if self._in_opt:
+            self._params_stale = True
+            return
+        self._params_stale = False
+        ptrs: dict[int, int] = {}
+        home: dict[int, bool] = {}
+        roots = {id(r): r for r in [*self._root_modules, *(m.modules[0] for m in self.models)]}
+        for root in roots.values():
+            for p in root.parameters():
+                here = home[id(p)] = self._on_device(p)
+                if here:
+                    ptrs.setdefault(storage_key(p), storage_nbytes(p))
+        # A new dict: the records of finished steps still being built keep the one they were made with.
+        self._param_ptrs, self._home = ptrs, home
+        self._params_bytes = sum(ptrs.values())
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return self._resident is None or self._resident(t)
+
+    def _device_grad(self, p: torch.Tensor) -> tuple[int | None, int]:
+        """(storage address, bytes) of ``p``'s gradient on the profiled device; (None, 0) without one.
+
+        A parameter that lives on the device but whose data is on the host now is being stepped on the
+        host (``memdoctor.runtime.offload.OptimizerOffload`` swaps ``p.data`` and ``p.grad`` to host
+        copies for the optimizer's own step): its device gradient is still allocated, held by the
+        swap, as large as the host copy that stands in for it; its address is the one the gradient hook
+        saw in backward (None on steps without that hook)."""
+        g = p.grad
+        if g is None:
+            return None, 0
+        if self._on_device(g):
+            return storage_key(g), storage_nbytes(g)
+        if self._home.get(id(p), False) and not self._on_device(p):
+            return self._grad_at.get(id(p)) or (None, g.numel() * g.element_size())
+        return None, 0
 
     def on_backward(self, event: str, key: int, depth: int, grad: Any = None) -> None:
         """Called from tensor hooks, on autograd's thread, as a module's backward starts or ends."""
@@ -512,9 +563,11 @@ class ProfileSession:
         order = self._data.grad_order  # backward order, for the first module with a NaN/Inf gradient
         if id(param) not in order:
             order[id(param)] = len(order)
-        if id(param) not in self._grads_counted and param.grad is not None:
+        grad = param.grad
+        if id(param) not in self._grads_counted and grad is not None and self._on_device(grad):
             self._grads_counted.add(id(param))
-            self._grads_live += storage_nbytes(param.grad)
+            at = self._grad_at[id(param)] = (storage_key(grad), storage_nbytes(grad))
+            self._grads_live += at[1]
 
     # ------------------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -526,6 +579,8 @@ class ProfileSession:
         ptr = st.data_ptr()
         if ptr in self._saved or ptr in self._param_ptrs or not ptr:
             return t
+        if self._resident is not None and not self._resident(t):
+            return t  # a host tensor kept for backward: not in the device's memory
         nbytes = st.nbytes()
         self._saved[ptr] = (nbytes, weakref.ref(st, _Freed(self, ptr, nbytes)))
         self._act_live += nbytes
@@ -554,6 +609,7 @@ class ProfileSession:
         if self._pending:
             self._emit_ready(wait=False)
         self._fault_at = None
+        self._in_opt = True
         if id(opt) not in self._known_opts:
             self._discover(opt)
         self._note_optimizer(id(opt))
@@ -574,6 +630,7 @@ class ProfileSession:
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._done:
             return
+        self._in_opt = False
         self._data.opt_bytes = self._opt_state_by_module()
         self._sample("opt_post", None, 0)
         self._data.opt_posts += 1
@@ -693,7 +750,7 @@ class ProfileSession:
             self._flat_params += [(p, (model.info.index, i)) for p in mod.parameters(recurse=False)]
         if self.detailed(self._step_index):
             self._watch_grads(model)
-        self._note_params(model.modules[0])
+        self._note_params()
         self.sink(model.info.to_record())
         for c in list(self.collectors):
             self._call(c, "on_model", model.info.index, model.modules[0])
@@ -718,24 +775,25 @@ class ProfileSession:
 
     def _grads_by_module(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = {}
-        seen: dict[int, int] = {}
+        seen: dict[int, int] = {}  # storage address -> bytes, of the gradients on the device
         for p, loc in self._flat_params:
-            g = p.grad
-            if g is not None:
-                st = g.untyped_storage()
-                key = st.data_ptr()
-                if key not in seen:
-                    seen[key] = st.nbytes()
-                    out[loc] = out.get(loc, 0) + seen[key]
+            if p.grad is None:
+                continue
+            key, n = self._device_grad(p)
+            if n and (key is None or key not in seen):
+                out[loc] = out.get(loc, 0) + n
+                if key is not None:
+                    seen[key] = n
         self._data.grad_ptrs = seen
         return out
 
     def _count_grads(self) -> int:
-        return sum(storage_nbytes(p.grad) for p, _ in self._flat_params if p.grad is not None)
+        return sum(self._device_grad(p)[1] for p, _ in self._flat_params if p.grad is not None)
 
     def _opt_state_by_module(self) -> dict[tuple[int, int], int]:
-        # Optimizer state is created once and updated in place: rescan only when it grows.
-        shape = tuple((id(o), len(o.state)) for o in self._optimizers)
+        # Optimizer state is created once and updated in place: rescan only when it grows or moves
+        # (offload moves state a checkpoint loaded onto the device to the host at its first step).
+        shape = tuple((id(o), len(o.state), self._state_where(o)) for o in self._optimizers)
         if self._opt_cache is None or self._opt_cache[0] != shape:
             self._opt_cache = (shape, *self._scan_opt_state())
         _, out, total, seen = self._opt_cache
@@ -750,14 +808,26 @@ class ProfileSession:
             for p, state in opt.state.items():
                 loc = self._owner_of(p)
                 for v in state.values() if isinstance(state, dict) else ():
-                    # Only state on the parameter's device (AdamW keeps its step counters on the host).
-                    if not isinstance(v, torch.Tensor) or v.device != p.device:
+                    # Only state on the profiled device: not AdamW's step counters, which it keeps on the
+                    # host, nor the state an offloaded optimizer keeps there (this scan may run inside
+                    # its step, where the parameters themselves are host copies). On a CPU session
+                    # everything is on the device, as the state is.
+                    if not isinstance(v, torch.Tensor) or not self._on_device(v):
                         continue
                     if storage_key(v) not in seen:
                         n = seen[storage_key(v)] = storage_nbytes(v)
                         if loc is not None:
                             out[loc] = out.get(loc, 0) + n
         return out, sum(seen.values()), seen
+
+    def _state_where(self, opt: torch.optim.Optimizer) -> bool | None:
+        """Whether the first state tensor of ``opt`` is on the profiled device (None: no state yet)."""
+        for state in opt.state.values():
+            for v in state.values() if isinstance(state, dict) else ():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    return self._on_device(v)
+            return None
+        return None
 
     def _owner_of(self, p: Any) -> tuple[int, int] | None:
         for model in self.models:
@@ -922,6 +992,25 @@ class _Freed:
 
     def __call__(self, _ref: Any) -> None:
         self.session.on_freed(self.ptr, self.nbytes)
+
+
+def resident_check(device: Device) -> Callable[[torch.Tensor], bool] | None:
+    """The test "is this tensor in the profiled device's memory", or None where every tensor is.
+
+    A CUDA session counts the tensors on its own GPU (``device.index``; any GPU without one); a CPU
+    session, or a ``FakeDevice`` standing in for a GPU in tests, counts every tensor, as host and device
+    are one there. One ``.get_device()`` read a tensor: no synchronisation, cheap enough for hooks."""
+    if device.kind != "cuda":
+        return None
+    index = getattr(device, "index", None)
+    if index is None:
+        return _is_cuda
+    want = int(index)
+    return lambda t: t.get_device() == want
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 def _pick_depth(calls_at_depth: dict[int, int], budget: int) -> int:
