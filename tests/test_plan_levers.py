@@ -446,3 +446,14 @@ def test_a_run_that_died_after_its_warm_up_is_timed_from_the_warm_up(
     plan = summary["plan"]
     assert plan["fits"] and plan["config"]["precision"] == "bf16"
     assert plan["prediction"]["time_parts"]["autocast"] < 0
+
+
+def test_with_the_optimizer_offloaded_the_backward_peak_holds_every_gradient() -> None:
+    """Without the optimizer step's own peak, the backward's end sets it, where nearly every gradient
+    exists (the 0.95B decoder's offload plan on the H200); on the GPU optimizer, half of them."""
+    w = hand_workload()
+    on_gpu = predict(w, Config(checkpoint=("block",)))
+    offloaded = predict(w, Config(checkpoint=("block",), optimizer="offload"))
+    assert on_gpu.breakdown["gradients"] == 100 * M.CHECKPOINT_GRADIENT_SHARE
+    assert offloaded.breakdown["gradients"] == 100
+    assert offloaded.breakdown["optimizer_state"] == 0

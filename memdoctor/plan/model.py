@@ -667,8 +667,13 @@ def reserved_ratio(w: Workload, config: Config) -> float:
 
 def checkpointed_gradients(grads: int, config: Config) -> int:
     """The gradient bytes at the backward peak of ``config`` with modules checkpointed: a share of them
-    with checkpointing alone (the peak comes mid-backward), all of them with micro-batches."""
-    return int(grads * CHECKPOINT_GRADIENT_SHARE) if config.accumulation == 1 else grads
+    with checkpointing alone (the peak comes mid-backward), all of them with micro-batches, and all of
+    them with the optimizer offloaded: without the optimizer step's own peak the backward's last blocks
+    set it, when nearly every gradient exists (the 0.95B decoder's offload plan on the H200 peaked in
+    block 1's backward holding 3.12 of its 3.06-3.5 GiB of gradients; BENCHMARKS.md, "Offload")."""
+    if config.accumulation == 1 and config.optimizer != "offload":
+        return int(grads * CHECKPOINT_GRADIENT_SHARE)
+    return grads
 
 
 def step_floor(w: Workload, config: Config, parts: dict[str, int], assumptions: list[str]) -> int:
@@ -725,7 +730,7 @@ def memory_parts(
             "the largest block's activations come back while it is recomputed in backward"
         )
     params, grads = offloaded_state(w, config, assumptions)
-    if chosen and config.accumulation == 1:
+    if chosen and config.accumulation == 1 and config.optimizer != "offload":
         grads = checkpointed_gradients(grads, config)
         assumptions.append(
             f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
