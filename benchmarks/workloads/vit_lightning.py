@@ -55,8 +55,11 @@ class ViTClassifier(pl.LightningModule):
 
 def enable_checkpointing(model: ViTForImageClassification) -> None:
     """HF's own switch (renamed ``activation_checkpointing_enable`` in transformers 5.2x), non-reentrant."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:  # transformers 5.2x: the kwargs were renamed with the method
+        new(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class StepTiming(pl.Callback):
