@@ -474,19 +474,30 @@ def test_ctrl_c_keeps_the_steps_and_exits_130(tmp_path: Path) -> None:
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )
     lines: list[str] = []
+    errs: list[str] = []  # drained as it comes, so a chatty child can never block on a full pipe
     ready = threading.Event()
     reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines, ready), daemon=True)
+    err_reader = threading.Thread(
+        target=_read_lines, args=(proc.stderr, errs, threading.Event()), daemon=True
+    )
     reader.start()
+    err_reader.start()
     try:
         assert ready.wait(90), f"the script never printed READY: {''.join(lines)}"
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"no exit 60 s after Ctrl-C; stdout: {''.join(lines)[-2000:]} stderr: {''.join(errs)[-2000:]}"
+            )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     reader.join(10)
-    err = proc.stderr.read() if proc.stderr else ""
+    err_reader.join(10)
+    err = "".join(errs)
     assert proc.returncode == exitcodes.INTERRUPTED, err
     assert "Traceback" not in err, err
     run = Run(proc.returncode, tmp_path, out, before)
