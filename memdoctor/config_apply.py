@@ -159,25 +159,13 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
 
 
 def _offload(applied: Applied) -> None:
-    """Parameter offload, then optimizer-state offload (``memdoctor.runtime.offload``; ValueError names
-    a part that cannot apply)."""
-    from memdoctor.runtime.offload import OptimizerOffload, ParameterOffload
+    """The plan's offload (``memdoctor.runtime.offload.install_offload``; ValueError names a part that
+    cannot apply)."""
+    from memdoctor.runtime.offload import install_offload
 
     config, optimizer = applied.config, applied.optimizer
-    resident: list[torch.nn.Parameter] = []
-    if config.offload_parameters:
-        optimizers = [] if optimizer is None else [optimizer]
-        params = ParameterOffload(applied.model, config.offload_parameters, optimizers=optimizers)
-        try:
-            applied._undo.append(params.install())
-        except ValueError as exc:
-            raise ValueError(f"offload_parameters: {exc}") from None
-        resident = list(params.params.values())
-    if config.optimizer == "offload":
-        try:
-            applied._undo.append(OptimizerOffload(optimizer, resident=resident).install())
-        except ValueError as exc:
-            raise ValueError(f"optimizer: offload: {exc}") from None
+    optimizers = [optimizer] if config.optimizer == "offload" and optimizer is not None else []
+    install_offload(applied.model, config.offload_parameters, optimizers, applied._undo)
 
 
 def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:

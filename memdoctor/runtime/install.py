@@ -30,7 +30,7 @@ from memdoctor.runtime.backward import BackwardPatch
 from memdoctor.runtime.discovery import ModelWatch, optimizers_of
 from memdoctor.runtime.loader import LoaderSettings
 from memdoctor.runtime.microbatch import MicroBatching
-from memdoctor.runtime.offload import OptimizerOffload, ParameterOffload
+from memdoctor.runtime.offload import install_offload
 from memdoctor.runtime.padding import PaddingTrim
 from memdoctor.runtime.patching import Undo, wrap_forward
 from memdoctor.runtime.precision import LossScaling, autocast_forward
@@ -176,14 +176,14 @@ class Installation:
         c = self.config
         cls = type(root).__name__
         optimizers = optimizers_of(root)
-        resident: list[nn.Parameter] = []
-        if c.offload_parameters:
-            params = ParameterOffload(root, c.offload_parameters, optimizers=optimizers)
-            try:
-                self._undo.append(params.install())
-            except ValueError as exc:
-                self.fail(f"offload_parameters: {exc}")
-                return
+        state = c.optimizer == "offload" and self.ours("optimizer")
+        stepped = optimizers if state else []
+        try:
+            params, offloads = install_offload(root, c.offload_parameters, stepped, self._undo)
+        except ValueError as exc:
+            self.fail(str(exc))
+            return
+        if params is not None:
             resident = list(params.params.values())
             tied = params.tied()
             shown = " ".join(c.offload_parameters[:_SHOWN_NAMES])
@@ -195,21 +195,14 @@ class Installation:
                 f"({shown}; {len(resident)} tensors, {_mib(resident)} MiB), copied in while they run"
                 + "".join(f"; {n}" for n in [*notes, *params.notes])
             )
-        if c.optimizer != "offload" or not self.ours("optimizer"):
-            return
-        for opt in optimizers:
-            offload = OptimizerOffload(opt, resident=resident)
-            try:
-                self._undo.append(offload.install())
-            except ValueError as exc:
-                self.fail(f"optimizer: offload: {exc}")
-                return
+        for offload in offloads:
             self.applied(
-                f"offload: {type(opt).__name__}'s state on the host; its step runs there on host copies "
-                "of the parameters and gradients, the updated parameters copied back"
+                f"offload: {type(offload.optimizer).__name__}'s state on the host; its step runs there on "
+                "host copies of the parameters and gradients, the updated parameters copied back"
                 + "".join(f"; {n}" for n in offload.notes)
             )
-        self._undo.append(_offloaded_only(self, root, optimizers))
+        if state:
+            self._undo.append(_offloaded_only(self, root, optimizers))
 
     def _precision(self, root: nn.Module) -> LossScaling | None:
         c = self.config

@@ -496,3 +496,34 @@ def _parametrize(module: nn.Module, attr: str, to_device: ToDevice) -> Undo:
             parametrize.remove_parametrizations(module, attr, leave_parametrized=False)
 
     return undo
+
+
+def install_offload(
+    root: nn.Module,
+    parameters: Iterable[str],
+    optimizers: list[torch.optim.Optimizer],
+    undo: list[Undo],
+) -> tuple[ParameterOffload | None, list[OptimizerOffload]]:
+    """A plan's offload on ``root``, for ``memdoctor run`` and ``memdoctor.apply`` alike: the named
+    modules' parameters first (their optimizer state does not exist yet, or follows them), then the
+    state of each of ``optimizers`` (empty: no optimizer-state offload), with the host-resident
+    parameters stepping in place. Each undo goes onto ``undo`` as it is installed, so a later failure
+    leaves nothing the caller cannot remove; ValueError names the part that cannot apply."""
+    names = list(parameters)
+    params, resident = None, []
+    if names:
+        params = ParameterOffload(root, names, optimizers=optimizers)
+        try:
+            undo.append(params.install())
+        except ValueError as exc:
+            raise ValueError(f"offload_parameters: {exc}") from None
+        resident = list(params.params.values())
+    offloads = []
+    for opt in optimizers:
+        offload = OptimizerOffload(opt, resident=resident)
+        try:
+            undo.append(offload.install())
+        except ValueError as exc:
+            raise ValueError(f"optimizer: offload: {exc}") from None
+        offloads.append(offload)
+    return params, offloads
