@@ -483,9 +483,9 @@ class ProfileSession:
         if new_root:
             self._roots_seen.add(id(module))
             self._root_modules.append(module)
-        if new_root or self._params_stale or not data.forwards:
-            # Recounted at each step's first forward: parameters moved (offloaded, or back) since count
-            # where they are now.
+        if new_root or self._params_stale or (not data.forwards and self.detailed(self._step_index)):
+            # Recounted at each ledger step's first forward (not on timing steps, whose hot path this
+            # is): parameters moved (offloaded, or back) since count where they are now.
             self._note_params()
         # A new micro-batch starts with the step's first top-level call, or the first one after a
         # backward; further top-level calls (a loss module called outside forward) join it.
