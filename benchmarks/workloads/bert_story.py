@@ -98,13 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", choices=["eager", "sdpa"], default="sdpa", help="attn_implementation")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
+    add_run_flags(p)
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N-th layer")
     p.add_argument("--micro-batch", type=int, default=None, metavar="M", help="accumulate micro-batches of M")
     p.add_argument("--trim-padding", action="store_true", help="cut all-padding columns of each batch")
-    p.add_argument("--memory-cap-gib", type=float, default=env_cap(), metavar="G", help="cap CUDA memory")
-    p.add_argument("--peak-file", default=None, metavar="PATH", help="write the peak memory as JSON at exit")
     args = p.parse_args(argv)
     if args.bf16 and args.fp16:
         p.error("--bf16 and --fp16 exclude each other")
@@ -113,6 +110,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seq_len is None:
         args.seq_len = 64 if args.tiny else 512
     return args
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every scenario workload shares (benchmarks/story_scenario.py passes them): seed, the
+    per-step timing file, the CUDA memory cap and the peak-memory file."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
+    p.add_argument("--memory-cap-gib", type=float, default=env_cap(), metavar="G", help="cap CUDA memory")
+    p.add_argument("--peak-file", default=None, metavar="PATH", help="write the peak memory as JSON at exit")
 
 
 def env_cap() -> float | None:

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 import torch
-from bert_story import apply_cap, env_cap, write_peak  # the story workload's cap and peak file
+from bert_story import add_run_flags, apply_cap, write_peak  # the story workload's flags, cap and peak file
 from torch.utils.data import Dataset
 from transformers import (
     GPT2Config,
@@ -107,10 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="2 layers, 64 wide, vocab 1000: a CPU smoke run")
     p.add_argument("--attn", choices=["eager", "sdpa"], default="sdpa", help="attn_implementation")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
-    p.add_argument("--memory-cap-gib", type=float, default=env_cap(), metavar="G", help="cap CUDA memory")
-    p.add_argument("--peak-file", default=None, metavar="PATH", help="write the peak memory as JSON at exit")
+    add_run_flags(p)
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 2 if args.tiny else 8

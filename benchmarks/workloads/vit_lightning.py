@@ -30,7 +30,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from bert_story import apply_cap, env_cap, write_peak  # the story workload's cap and peak file
+from bert_story import add_run_flags, apply_cap, write_peak  # the story workload's flags, cap and peak file
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import ViTConfig, ViTForImageClassification
 from vit_train import build_config  # the same ViT-base/16 (or tiny ViT) as the plain-loop workload
@@ -104,10 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true", help="the HF model's own checkpointing")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, 32x32 images: a CPU smoke run")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="Lightning accelerator")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-file", default=None, metavar="PATH", help="append per-step JSON timing lines")
-    p.add_argument("--memory-cap-gib", type=float, default=env_cap(), metavar="G", help="cap CUDA memory")
-    p.add_argument("--peak-file", default=None, metavar="PATH", help="write the peak memory as JSON at exit")
+    add_run_flags(p)
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 64
