@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,16 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     rounds = "with --verify: at most N verified runs (re-plans) when a plan does not fit (default: 3)"
     p.add_argument("--verify-rounds", type=_arg_type(_count(1)), default=3, metavar="N", help=rounds)
     p.add_argument(
+        "--reprofile",
+        type=_arg_type(_count(0)),
+        default=3,
+        metavar="N",
+        help="when the run runs out of memory before its forward finishes (the modules after it unmeasured), "
+        "profile it again at micro-batches of 1/2, 1/4, ... of the batch (gradient accumulation, into "
+        "OUT/reprofile), at most N runs, and plan from the first that measures every module, scaled back "
+        "to the full batch (default: 3; 0: never)",
+    )
+    p.add_argument(
         "--config",
         type=Path,
         metavar="PATH",
@@ -352,10 +363,37 @@ def profile_command(ns: argparse.Namespace) -> int:
     except Exception as exc:  # the files are written: a bug in this table must not change the exit code
         _say(f"internal error printing the summary: {type(exc).__name__}: {_one_line(exc)}; {_BUG_LINE}")
     written = getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
+    if getattr(ns, "reprofile", 0):
+        result, more = reprofile_profile(request, result, ns.reprofile, supervisor.run_profile)
+        written = [*written, *more]
     if getattr(ns, "verify", False):
         written = [*written, *verify_profile(request, result, ns.verify_rounds, supervisor.run_profile)]
     print_written(written)
     return int(result.exit_code)
+
+
+def reprofile_profile(
+    request: Any, result: Any, rounds: int, run: Callable[[Any], Any]
+) -> tuple[Any, list[Path]]:
+    """When the run died of OOM before its forward finished: re-profile at smaller micro-batches
+    (``memdoctor.runner.reprofile``), record the result in the first trace and re-render its report,
+    summary and memdoctor.yaml, which now plan from the re-profile. (the result with the new summary,
+    the files the re-profiles wrote); the exit code stays the first run's."""
+    from memdoctor.report import write_report
+    from memdoctor.runner.reprofile import RECORD_NAME, needed, reprofile, round_dir
+    from memdoctor.trace import save_trace
+
+    trace = _load_quietly(result.trace_path)
+    if trace is None or result.summary is None or not needed(trace, result):
+        return result, []
+    record = reprofile(trace, result.summary, request, run, _say, max_rounds=rounds)
+    trace.collected[RECORD_NAME] = record
+    save_trace(trace, result.trace_path)
+    paths = write_report(trace, request.out_dir)
+    summary = json.loads(paths["summary"].read_text(encoding="utf-8"))
+    folders = [round_dir(request.out_dir, r["round"]) for r in record["rounds"]]
+    files = [f / name for f in folders for name in ("trace.jsonl.gz", "summary.json", "report.html")]
+    return replace(result, summary=summary), files
 
 
 def verify_profile(request: Any, result: Any, rounds: int, run: Callable[[Any], Any]) -> list[Path]:
@@ -395,6 +433,7 @@ _MEMDOCTOR_PROFILE_OPTIONS = (
     "--collect",
     "--verify",
     "--verify-rounds",
+    "--reprofile",
     "--config",
 )
 

@@ -17,6 +17,8 @@ from memdoctor.plan.cards import CONTEXT_RESERVE_BYTES
 from memdoctor.plan.model import corrected_workload, workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW, ninegrid, priority
 from memdoctor.plan.planner import Target, alternatives, card_table, make_plan
+from memdoctor.plan.reprofiled import advice as reprofile_advice
+from memdoctor.plan.reprofiled import summary_record as reprofile_record
 from memdoctor.plan.rules import RuleInput, run_rules
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
@@ -61,6 +63,9 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
                 f"{verified[1]}, which fitted the budget: the first plan's verified run needed more memory "
                 "than predicted (Measured vs predicted)",
             )
+        reprofiled = reprofile_record(trace)
+        if reprofiled is not None:
+            plan["advice"].insert(0, reprofile_advice(reprofiled))
     return {
         "ninegrid": grid,
         "lever_priority": ranked,
@@ -90,6 +95,7 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
     summary["lever_priority"] = out["lever_priority"]
     summary["findings"] = out["findings"]
     summary["plan"] = out["plan"]
+    summary["reprofile"] = reprofile_record(trace)
 
 
 def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:

@@ -182,6 +182,9 @@ class Workload:
     peak_fraction: float | None = None  # measured FLOP/s over the profiled GPU's fp32 datasheet peak
     scale_window_log2: tuple[int, int] | None = None  # fp16 loss scales that fit the measured gradients
     suggested_scale_log2: int | None = None
+    # The script as it is ran out of memory under this budget (this workload then comes from a re-profile
+    # at a smaller micro-batch, scaled back to the full batch): the unchanged config does not fit in it.
+    as_is_oom_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,15 @@ class Prediction:
 
 
 def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
+    """What the planner plans from: the trace's own measurements (``measured_workload``) or, when the run
+    died before its first forward finished and ``memdoctor profile`` re-profiled it at a smaller
+    micro-batch, that measurement scaled back to the full batch (``memdoctor.plan.reprofiled``)."""
+    from memdoctor.plan.reprofiled import reprofiled_workload  # it builds on this module's Workload
+
+    return reprofiled_workload(trace) or measured_workload(trace, summary)
+
+
+def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     """The trace's measurements as a ``Workload``; None when no step has a memory figure."""
     cats = summary.get("categories") or {}
     peak = summary.get("peak_memory_bytes")

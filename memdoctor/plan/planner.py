@@ -129,14 +129,14 @@ def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None
     ``priority``: the lever families in the order the workload's nine-grid cell ranks them (ties in
     predicted time go to the config whose levers rank first; ``DEFAULT_PRIORITY`` without a cell)."""
     base = _predict(w, Config(), target)
-    if fits(base, target):
+    if fits(base, target) and not known_oom(w, base.config, target):
         return Plan(target, base, base, base, True, w.peak_bytes)
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
     for tier in (_tier_one(w, target), _tier_two(w, target)):
         found = [p for p in (_with_checkpoints(w, c, target) for c in tier) if p is not None]
         tried += found
-        fitting = [p for p in found if fits(p, target)]
+        fitting = [p for p in found if fits(p, target) and not known_oom(w, p.config, target)]
         if fitting:
             best = min(_preferred(fitting), key=lambda p: _cost(p, order))
             caveats = _caveats(w, best) + ([] if runnable(best.config) else [not_runnable(best.config)])
@@ -144,6 +144,14 @@ def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None
     closest = min(tried or [base], key=lambda p: p.reserved_bytes)
     advice = what_would_fit(w, target, closest)
     return Plan(target, base, None, closest, False, w.peak_bytes, advice, grad_scaler=grad_scaler(w))
+
+
+def known_oom(w: Workload, config: Config, target: Target) -> bool:
+    """Was ``config`` measured running out of memory under ``target``'s budget or more? The unchanged
+    config, when the script as it is died under that budget (its workload then comes from a re-profile
+    at a smaller micro-batch, whose scaled prediction could say otherwise)."""
+    oom = w.as_is_oom_budget
+    return config == Config() and oom is not None and target.budget_bytes <= oom
 
 
 def runnable(config: Config) -> bool:
@@ -443,7 +451,7 @@ def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | No
     precision: bf16 where the card has it, else fp16 where the precision verdict allows. Each stage
     keeps the levers of the ones before; the first config that fits is returned, None when none does."""
     base = _predict(w, Config(), target)
-    if fits(base, target):
+    if fits(base, target) and not known_oom(w, base.config, target):
         return base
     checkpointing = w.compute_class != "low"
     for config in _story_stages(w, target, checkpointing):

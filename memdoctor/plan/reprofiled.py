@@ -1,0 +1,167 @@
+"""Planning from a re-profile at a smaller micro-batch, for a run that died before its forward finished.
+
+Why: a run that runs out of memory in its first forward leaves every module after the one it died in
+unmeasured. Blocks of a repeated stack that never ran can be extrapolated from those that did, but what
+comes after the stack cannot: for a language model that is the LM head and the loss, the largest
+tensors of the step. GPT-2 small b16 s512 in the HF Trainer died in block 10 of 12 under an 8 GiB cap;
+its plan, made without the head, ran out of memory, and ``--verify``'s correction (a factor on the whole
+peak) did not reach a plan that fits in three rounds (BENCHMARKS.md, "GPT-2 small with the HF Trainer").
+
+So ``memdoctor profile`` re-profiles such a run with only gradient accumulation applied (the batch split
+into ``k`` micro-batches, ``memdoctor.runner.reprofile``), halving the micro-batch until a run measures
+every module, and records that run's ``Workload``, scaled back to the full batch, in the first trace
+(the run-wide record ``reprofile``). ``workload()`` then plans from it. What scales with the
+micro-batch is multiplied by ``k``: the activations at the peak, the temporaries, what each
+checkpoint candidate frees (the ledger keeps one micro-batch's figure: the largest call). What does not
+is kept: parameters, gradients, optimizer state and the fixed rest. Times stay as measured: the
+re-profiled step ran the full batch, in ``k`` micro-batches (a module's forward time sums its calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from memdoctor.analysis.summary import layer_table, peak_step
+from memdoctor.plan.model import Candidate, Padding, ParamHolder, Workload, measured_workload
+from memdoctor.trace import Trace
+
+RECORD_NAME = "reprofile"
+# Module types that hold weights even where the ledger counts none of their own (an LM head tied to the
+# embedding: GPT-2's lm_head); with parameter bytes, what ``unmeasured_modules`` looks for.
+WEIGHTED = re.compile(r"Linear|Embedding|Conv|Norm", re.I)
+# Re-profiles tried at most (micro-batches 1/2, 1/4, 1/8 of the batch) unless ``--reprofile`` says.
+DEFAULT_ROUNDS = 3
+
+
+def unmeasured_modules(trace: Trace) -> list[str]:
+    """Modules that hold weights and never ran in the peak step of a run cut short in its forward: what
+    the ledger could not measure. Empty when the peak step finished or reached its backward (a module
+    that never runs in a forward, an unused pooler, is then simply unused)."""
+    step = peak_step(trace)
+    if step is None or step.complete or step.phases_ms.get("backward"):
+        return []
+    return [
+        r["name"]
+        for r in layer_table(trace, step)
+        if r["depth"] >= 1 and not r["calls"] and (r["param_bytes"] or WEIGHTED.search(r["type"] or ""))
+    ]
+
+
+def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -> Workload:
+    """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring)."""
+    part = f" ({batch // k} of {batch})" if batch and batch % k == 0 else ""
+    note = (
+        f"planned from a re-profile at micro-batch 1/{k}{part}: the run as it is died before its forward "
+        f"finished. Activations, temporaries and what each module frees when checkpointed are that run's "
+        f"x{k} (they scale with the micro-batch, an assumption); its step time, of the full batch in {k} "
+        "micro-batches, is taken as the full batch's"
+    )
+    grown = (w.activations + w.temporaries) * (k - 1)
+    return dataclasses.replace(
+        w,
+        peak_bytes=w.peak_bytes + grown,
+        activations=w.activations * k,
+        temporaries=w.temporaries * k,
+        attention_temporaries=w.attention_temporaries * k,
+        candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * k) for c in w.candidates],
+        batch_size=batch or (w.batch_size * k if w.batch_size else None),
+        as_is_oom_budget=oom_budget,
+        notes=[*w.notes, note],
+    )
+
+
+def reprofile_workload(
+    trace: Trace, summary: dict[str, Any], k: int, batch: int | None, oom_budget: int | None
+) -> Workload | None:
+    """The full-batch workload of a re-profile at micro-batch 1/``k`` (None without a memory figure)."""
+    w = measured_workload(trace, summary)
+    return None if w is None else full_batch(w, k, batch, oom_budget)
+
+
+# ----------------------------------------------------------------------------------------- the record
+
+
+def as_record(w: Workload) -> dict[str, Any]:
+    """``w`` as plain JSON values (tuples and frozensets as lists)."""
+    d = dataclasses.asdict(w)
+    d["candidates"] = [
+        {**dataclasses.asdict(c), "ancestors": sorted(map(list, c.ancestors))} for c in w.candidates
+    ]
+    if w.padding is not None:
+        d["padding"] = {**dataclasses.asdict(w.padding), "longest": list(w.padding.longest)}
+    d["scale_window_log2"] = list(w.scale_window_log2) if w.scale_window_log2 else None
+    return d
+
+
+def from_record(d: dict[str, Any]) -> Workload:
+    """The ``Workload`` of ``as_record``; ``KeyError``/``TypeError``/``ValueError`` when it is not one."""
+    fields = {f.name for f in dataclasses.fields(Workload)}
+    values = {k: v for k, v in d.items() if k in fields}
+    values["candidates"] = [
+        Candidate(**{**c, "ancestors": frozenset((int(a), int(b)) for a, b in c["ancestors"])})
+        for c in d["candidates"]
+    ]
+    pad = d.get("padding")
+    values["padding"] = None if pad is None else Padding(**{**pad, "longest": tuple(pad["longest"])})
+    values["param_holders"] = [ParamHolder(**h) for h in d.get("param_holders") or []]
+    window = d.get("scale_window_log2")
+    values["scale_window_log2"] = tuple(window) if window else None
+    values["notes"] = [str(n) for n in d.get("notes") or []]
+    return Workload(**values)
+
+
+def reprofiled_workload(trace: Trace) -> Workload | None:
+    """The full-batch workload a re-profile recorded in ``trace``; None when there is none (or the record
+    is not a workload: a hand-edited trace then plans from its own measurements)."""
+    record = trace.collected.get(RECORD_NAME)
+    found = record.get("workload") if isinstance(record, dict) else None
+    if not isinstance(found, dict):
+        return None
+    try:
+        return from_record(found)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def summary_record(trace: Trace) -> dict[str, Any] | None:
+    """``summary.json``'s ``reprofile``: what was re-profiled and which run the plan comes from (the
+    workload itself stays in the trace); None when the run was not re-profiled. Tolerates a hand-edited
+    record: a trace is input."""
+    record = trace.collected.get(RECORD_NAME)
+    if not isinstance(record, dict):
+        return None
+    found = record.get("rounds")
+    rounds = [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+    keys = ("round", "accumulation_steps", "micro_batch", "trace", "status", "unmeasured_modules")
+    missing = record.get("unmeasured_modules")
+    return {
+        "unmeasured_modules": [str(m) for m in missing] if isinstance(missing, list) else [],
+        "batch_size": _int(record.get("batch_size")),
+        "rounds": [{k: r.get(k) for k in keys} for r in rounds],
+        "used_round": _int(record.get("used_round")),
+        "accumulation_steps": _int(record.get("accumulation_steps")),
+        "planned_from_reprofile": reprofiled_workload(trace) is not None,
+        "stopped": None if record.get("stopped") is None else str(record.get("stopped")),
+    }
+
+
+def advice(found: dict[str, Any]) -> str:
+    """The plan's first line about the re-profile (``found``: ``summary_record``'s)."""
+    names = found["unmeasured_modules"]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    died = f"the script as it is ran out of memory before its forward reached {shown or 'every module'}"
+    if not found["planned_from_reprofile"]:
+        return f"{died}; no re-profile measured them ({found['stopped']}): every prediction is a lower bound"
+    k = found["accumulation_steps"]
+    used = next((r for r in found["rounds"] if r["round"] == found["used_round"]), {})
+    where = f" ({used['trace']})" if used.get("trace") else ""
+    return (
+        f"{died}; memdoctor re-profiled it at micro-batch 1/{k}{where} and this plan is made from that run, "
+        f"its activations scaled x{k} back to the full batch"
+    )
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None

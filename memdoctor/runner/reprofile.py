@@ -1,0 +1,148 @@
+"""Re-profile at a smaller micro-batch when the run died before its first forward finished.
+
+Why and what the planner does with it: ``memdoctor.plan.reprofiled``. This module runs the profiles:
+the same script, arguments, budget and warm-up, one profiled step, with only gradient accumulation
+applied (``PlanConfig(micro_batch=B/k, accumulation_steps=k)``, through ``memdoctor run``'s own
+micro-batching), for k = 2, 4, 8, ... until a run's ledger has every module. Each run writes into its
+own folder inside the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first
+run's files. The result is the run-wide record ``reprofile`` that the caller writes into the FIRST
+trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
+
+The profile runner is a parameter, so the loop is testable without a child process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from memdoctor import exitcodes
+from memdoctor.analysis.plan import summary_target
+from memdoctor.config import PlanConfig
+from memdoctor.errors import MemdoctorError
+from memdoctor.outputs import ensure_writable
+from memdoctor.plan.model import _batch_size
+from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
+from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
+from memdoctor.trace import Trace, load_trace
+
+__all__ = ["RECORD_NAME", "needed", "reprofile", "round_dir"]
+
+Runner = Callable[[ProfileRequest], ProfileResult]
+Say = Callable[[str], None]
+SHOWN = 3  # unmeasured modules named on the terminal
+
+
+def round_dir(out_dir: Path, k: int) -> Path:
+    """Round 1 profiles into ``OUT/reprofile``, round k into ``OUT/reprofile-k``."""
+    return out_dir / ("reprofile" if k == 1 else f"reprofile-{k}")
+
+
+def needed(trace: Trace | None, result: ProfileResult) -> list[str]:
+    """The modules a re-profile would measure: those with parameters the first run never reached
+    because it ran out of memory in its forward; empty when there is no reason to re-profile."""
+    if trace is None or result.exit_code != exitcodes.OUT_OF_MEMORY:
+        return []
+    if trace.header.get("applied_config") is not None:  # profile --config: the script is not as it is
+        return []
+    return unmeasured_modules(trace)
+
+
+def reprofile(
+    trace: Trace,
+    summary: dict[str, Any],
+    request: ProfileRequest,
+    run: Runner,
+    say: Say,
+    *,
+    max_rounds: int,
+) -> dict[str, Any]:
+    """Re-profile at micro-batches 1/2, 1/4, ... (at most ``max_rounds`` runs); the ``reprofile`` record."""
+    missing = unmeasured_modules(trace)
+    batch = _batch_size(summary)
+    target = summary_target(summary)
+    record: dict[str, Any] = {
+        "unmeasured_modules": missing,
+        "batch_size": batch,
+        "max_rounds": max_rounds,
+        "rounds": [],
+        "used_round": None,
+        "accumulation_steps": None,
+        "workload": None,
+        "stopped": None,
+    }
+    shown = ", ".join(missing[:SHOWN]) + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else "")
+    say(f"reprofile: the run died before its forward finished; never measured: {shown}")
+    before = len(missing)
+    for n in range(1, max_rounds + 1):
+        k = 2**n
+        if batch is not None and k > batch:
+            record["stopped"] = f"a micro-batch of 1 (of {batch}) still did not measure every module"
+            break
+        r, w = _one(n, k, batch, request, run, say, target.budget_bytes if target else None)
+        record["rounds"].append(r)
+        if w is not None:
+            record.update(used_round=n, accumulation_steps=k, workload=as_record(w))
+            say(f"reprofile: planning from micro-batch 1/{k}, scaled back to the full batch")
+            return record
+        if r["exit_code"] not in (exitcodes.OK, exitcodes.OUT_OF_MEMORY):
+            record["stopped"] = f"the re-profiled run failed ({r['status']}: {r['message']})"
+            break
+        left = r["unmeasured_modules"]
+        if left is None or left >= before:
+            record["stopped"] = (
+                f"at micro-batch 1/{k} the run got no further in its forward ({left} modules unmeasured, "
+                f"{before} before): what runs out of memory does not shrink with the batch"
+            )
+            break
+        before = left
+    else:
+        record["stopped"] = f"no re-profile measured every module in {max_rounds} rounds (--reprofile)"
+    say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
+    return record
+
+
+def _one(
+    n: int, k: int, batch: int | None, request: ProfileRequest, run: Runner, say: Say, oom_budget: int | None
+) -> tuple[dict[str, Any], Any]:
+    """Round ``n`` at micro-batch 1/``k``: its record, and its full-batch workload when it measured
+    every module (else None)."""
+    micro = batch // k if batch and batch % k == 0 else None
+    size = f"{micro} of {batch}" if micro else f"1/{k} of the batch"
+    say(f"reprofile {n}: profiling at micro-batch {size} (gradient accumulation {k}) ...")
+    out = ensure_writable(round_dir(request.out_dir, n))
+    config = PlanConfig(micro_batch=micro, accumulation_steps=k)
+    result = run(dataclasses.replace(request, out_dir=out, steps=1, config=config.as_dict()))
+    trace = _load(result.trace_path)
+    missing = unmeasured_modules(trace) if trace is not None else None
+    w = None
+    measured = result.exit_code in (exitcodes.OK, exitcodes.OUT_OF_MEMORY)  # not a script failure
+    if measured and trace is not None and result.summary is not None and missing == []:
+        w = reprofile_workload(trace, result.summary, k, batch, oom_budget)
+    r = {
+        "round": n,
+        "accumulation_steps": k,
+        "micro_batch": micro,
+        "trace": f"{out.name}/{result.trace_path.name if result.trace_path else 'trace.jsonl.gz'}",
+        "status": result.status,
+        "exit_code": result.exit_code,
+        "message": result.message,
+        "unmeasured_modules": len(missing) if missing is not None else None,
+        "measured_every_module": w is not None,
+    }
+    verdict = (
+        "measured every module"
+        if w is not None
+        else f"{result.status}; still unmeasured: {r['unmeasured_modules']}"
+    )
+    say(f"reprofile {n}: {verdict}")
+    return r, w
+
+
+def _load(path: Path | None) -> Trace | None:
+    try:
+        return load_trace(path) if path is not None else None
+    except MemdoctorError:
+        return None
