@@ -45,10 +45,11 @@ def first_run() -> tuple[Trace, dict[str, Any]]:
 
 class FakeRunner:
     """Stands in for ``run_profile``: each call writes a small CUDA trace whose largest reserved figure
-    is the next of ``outcomes`` ((exit code, reserved bytes)), recording the config as applied."""
+    is the next of ``outcomes`` ((exit code, reserved bytes[, step ms])), recording the config as
+    applied."""
 
     def __init__(
-        self, outcomes: list[tuple[int, int]], *, applies: bool = True, step_ms: float = 300.0
+        self, outcomes: list[tuple[int, ...]], *, applies: bool = True, step_ms: float = 300.0
     ) -> None:
         self.outcomes = list(outcomes)
         self.applies = applies
@@ -57,7 +58,8 @@ class FakeRunner:
 
     def __call__(self, req: ProfileRequest) -> ProfileResult:
         self.requests.append(req)
-        code, reserved = self.outcomes[len(self.requests) - 1]
+        code, reserved, *ms = self.outcomes[len(self.requests) - 1]
+        step_ms = ms[0] if ms else self.step_ms
         b = TraceBuilder(kind="cuda", budget_bytes=req.budget_bytes)
         b.add_model(tiny_mlp())
         b.add_steps(warmup=1, profiled=2)
@@ -67,7 +69,7 @@ class FakeRunner:
             trace.header["applied_config"] = req.config
         path = save_trace(trace, req.out_dir / "trace.jsonl.gz")
         status = {exitcodes.OK: "completed", exitcodes.OUT_OF_MEMORY: "oom"}.get(code, "exception")
-        summary = {"step_time_ms": self.step_ms if code == exitcodes.OK else None}
+        summary = {"step_time_ms": step_ms if code == exitcodes.OK else None}
         return ProfileResult(code, status, f"fake {status}", trace_path=path, summary=summary)
 
 
@@ -89,14 +91,17 @@ def _verify(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, runner: Fak
 def test_a_plan_that_fits_is_verified_in_one_round(
     first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
 ) -> None:
-    runner = FakeRunner([(exitcodes.OK, 7 * GiB)])
+    runner = FakeRunner([(exitcodes.OK, 7 * GiB), (exitcodes.OK, 7 * GiB, 400.0)])
     record, lines = _verify(first_run, tmp_path, runner)
     plan = first_run[1]["plan"]
-    (req,) = runner.requests
+    req = runner.requests[0]
     assert req.out_dir == tmp_path / "verify" and req.budget_bytes == 8 * GiB and req.args == ["--lr", "1"]
     assert req.config is not None and req.config["accumulation_steps"] == plan["config"]["accumulation_steps"]
     assert load_config(tmp_path / "verify" / "memdoctor.yaml").as_dict() == req.config  # what it applied
-    (r,) = record["rounds"]
+    r, compared = record["rounds"]  # the second: the best plan without the first one's micro-batching
+    assert compared["avoided"] == "accumulation" and r["avoided"] is None
+    assert compared["config"]["accumulation_steps"] == 1 < plan["config"]["accumulation_steps"]
+    assert runner.requests[1].out_dir == tmp_path / "verify-2"
     assert r["fits"] and r["outcome"] == "fits" and record["stopped"] is None
     assert r["predicted_peak_bytes"] == plan["predicted_reserved_bytes"]
     assert r["measured_peak_bytes"] == 7 * GiB and r["peak_basis"] == "reserved"
@@ -137,9 +142,12 @@ def test_after_a_re_plan_that_fits_the_report_plans_as_that_round(
     (which `memdoctor run --config` would otherwise apply and run out of memory with)."""
     trace, summary = first_run
     first = summary["plan"]
-    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 6 * GiB)])
+    runner = FakeRunner(
+        [(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 6 * GiB), (exitcodes.OK, 6 * GiB, 900.0)]
+    )
     record, _ = _verify(first_run, tmp_path, runner)
-    assert [r["outcome"] for r in record["rounds"]] == ["oom", "fits"]
+    assert [r["outcome"] for r in record["rounds"]] == ["oom", "fits", "fits"]
+    assert record["rounds"][2]["avoided"] is not None  # compared, slower: round 2 stays the plan
     trace.collected[RECORD_NAME] = record
     summary2 = build_summary(trace)
     plan = summary2["plan"]
@@ -154,7 +162,7 @@ def test_after_a_re_plan_that_fits_the_report_plans_as_that_round(
     assert plan["predicted_reserved_bytes"] == pytest.approx(
         record["rounds"][1]["predicted_peak_bytes"], rel=1e-4
     )
-    assert "as in verify round 2" in plan["advice"][0]
+    assert "the plan verify round 2 measured" in plan["advice"][0] and "raised x" in plan["advice"][0]
     # a last round that did not fit changes nothing: the report keeps the first plan, and says why elsewhere
     trace.collected[RECORD_NAME] = {**record, "rounds": record["rounds"][:1]}
     assert build_summary(trace)["plan"]["config"] == first["config"]
@@ -235,7 +243,13 @@ def test_measure_cpu_trace_uses_tensor_accounting() -> None:
 
 
 def _verified_trace(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path) -> Trace:
-    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 6 * GiB)])
+    """Out of memory, then a re-plan that fits, then the compared plan: it fits and is faster."""
+    outcomes = [
+        (exitcodes.OUT_OF_MEMORY, 7 * GiB),
+        (exitcodes.OK, 6 * GiB, 300.0),
+        (exitcodes.OK, 13 * GiB // 2, 200.0),
+    ]
+    runner = FakeRunner(outcomes)
     record, _ = _verify(first_run, tmp_path, runner)
     trace = first_run[0]
     trace.collected[RECORD_NAME] = record
@@ -255,17 +269,39 @@ def test_summary_verified_shape(first_run: tuple[Trace, dict[str, Any]], tmp_pat
         "trace",
     }
     assert required <= set(v)
-    assert v["rounds"] == 2 and v["fits"] is True and v["trace"] == "verify-2/trace.jsonl.gz"
-    assert v["measured_peak_bytes"] == 6 * GiB and v["peak_basis"] == "reserved"
-    assert v["peak_error"] == pytest.approx(
-        (6 * GiB - v["predicted_peak_bytes"]) / v["predicted_peak_bytes"], abs=1e-4
+    # the compared round (the best plan without the re-plan's micro-batching) measured faster: the plan
+    assert (
+        v["rounds"] == 3 and v["round"] == 3 and v["fits"] is True and v["trace"] == "verify-3/trace.jsonl.gz"
     )
-    assert [h["outcome"] for h in v["history"]] == ["oom", "fits"]
+    assert v["avoided"] == "accumulation" and v["measured_step_time_ms"] == 200.0
+    assert v["measured_peak_bytes"] == 13 * GiB // 2 and v["peak_basis"] == "reserved"
+    assert v["peak_error"] == pytest.approx(
+        (13 * GiB // 2 - v["predicted_peak_bytes"]) / v["predicted_peak_bytes"], abs=1e-4
+    )
+    assert [h["outcome"] for h in v["history"]] == ["oom", "fits", "fits"]
     json.dumps(v, allow_nan=False)
-    ctx = report_section(trace, build_summary(trace))
-    assert ctx is not None and ctx["chart"].startswith("data:image/svg+xml") and len(ctx["rounds"]) == 2
+    summary = build_summary(trace)
+    plan = summary["plan"]
+    assert plan["avoided"] == "accumulation" and plan["config"]["accumulation_steps"] == 1
+    assert "the best plan without accumulation measured a shorter step" in plan["advice"][0]
+    ctx = report_section(trace, summary)
+    assert ctx is not None and ctx["chart"].startswith("data:image/svg+xml") and len(ctx["rounds"]) == 3
     html = render_report(trace)
-    assert 'id="verify-rounds"' in html and "verify-2/memdoctor.yaml" in html
+    assert 'id="verify-rounds"' in html and "verify-3/memdoctor.yaml" in html
+    assert "compared: the best plan without accumulation" in html
+
+
+def test_a_compared_plan_within_the_noise_does_not_replace_the_plan(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    runner = FakeRunner([(exitcodes.OK, 7 * GiB, 300.0), (exitcodes.OK, 7 * GiB, 295.0)])  # 1.7% faster
+    record, _ = _verify(first_run, tmp_path, runner)
+    trace, first = first_run
+    trace.collected[RECORD_NAME] = record
+    summary = build_summary(trace)
+    assert summary["plan"]["config"] == first["plan"]["config"] and summary["verified"]["round"] == 1
+    record["rounds"][1]["measured_step_time_ms"] = 250.0
+    assert build_summary(trace)["plan"]["config"]["accumulation_steps"] == 1
 
 
 def test_unverified_report_says_so() -> None:
@@ -328,7 +364,8 @@ def test_verify_profile_records_in_the_first_trace_and_re_renders(
     path = save_trace(trace, tmp_path / "trace.jsonl.gz")
     (tmp_path / "report.html").write_text("old")
     result = ProfileResult(exitcodes.OK, "completed", "ok", trace_path=path, summary=summary)
-    written = verify_profile(_request(tmp_path), result, 3, FakeRunner([(exitcodes.OK, 7 * GiB)]))
+    runner = FakeRunner([(exitcodes.OK, 7 * GiB), (exitcodes.OK, 7 * GiB)])
+    written = verify_profile(_request(tmp_path), result, 3, runner)
     assert tmp_path / "verify" / "trace.jsonl.gz" in written
     assert load_trace(path).collected[RECORD_NAME]["rounds"][0]["fits"] is True
     assert json.loads((tmp_path / "summary.json").read_text())["verified"]["fits"] is True

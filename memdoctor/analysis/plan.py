@@ -8,11 +8,12 @@ else the profiled GPU's memory less the CUDA context reserve; a CPU run without 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from memdoctor.analysis.compute import LOW_SHARE
 from memdoctor.analysis.data import PADDING_HIGH, PADDING_NOTABLE
-from memdoctor.analysis.verify import rounds
+from memdoctor.analysis.verify import chosen_round, rounds
 from memdoctor.plan.cards import CONTEXT_RESERVE_BYTES
 from memdoctor.plan.model import corrected_workload, workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW, ninegrid, priority
@@ -52,17 +53,14 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         )
     plan = None
     if w is not None and target is not None:
-        verified = verified_correction(trace)
-        pw = w if verified is None else corrected_workload(w, verified[0])
-        made = make_plan(pw, target, order)
+        choice = verified_choice(trace)
+        correction, avoided = choice[0] if choice else 1.0, choice[1] if choice else None
+        pw = corrected_workload(w, correction) if correction > 1.0 else w
+        searched = target if choice is None or choice[3] is None else replace(target, margin=choice[3])
+        made = make_plan(pw, searched, order, avoid=avoided)
         plan = {**made.as_dict(), "alternatives": alternatives(pw, target, made)}
-        if verified is not None:
-            plan["advice"].insert(
-                0,
-                f"re-planned with memory predictions raised x{verified[0]:.2f}, as in verify round "
-                f"{verified[1]}, which fitted the budget: the first plan's verified run needed more memory "
-                "than predicted (Measured vs predicted)",
-            )
+        if choice is not None:
+            plan["advice"].insert(0, _verified_advice(*choice[:3]))
         reprofiled = reprofile_record(trace)
         if reprofiled is not None:
             plan["advice"].insert(0, reprofile_advice(reprofiled))
@@ -76,15 +74,36 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
     }
 
 
-def verified_correction(trace: Trace) -> tuple[float, int] | None:
-    """(correction, round) when ``profile --verify`` re-planned and its last round fitted: the plan of
-    the report and of memdoctor.yaml is then that round's (the same re-plan: the same workload raised by
-    the same factor), not the first one, which a verified run showed does not fit. None otherwise."""
-    done = rounds(trace)
-    if not done or not done[-1]["fits"]:
+def verified_choice(trace: Trace) -> tuple[float, str | None, int, float | None] | None:
+    """(correction, avoided family, round, margin) when ``profile --verify`` measured a plan other than
+    the first one into the plan: a re-plan that fitted (its memory predictions raised by
+    ``correction``), or a compared plan without ``avoided`` that measured faster (``chosen_round``),
+    searched with the safety ``margin`` it records. The plan of the report and of memdoctor.yaml is
+    then that round's: the same search, with the same factor, margin and family left out. None when
+    the first plan stands."""
+    best = chosen_round(rounds(trace))
+    if best is None:
         return None
-    factor = done[-1]["correction"]
-    return (float(factor), len(done)) if factor and factor > 1.0 else None
+    factor = float(best["correction"] or 1.0)
+    avoided = best["avoided"]
+    if factor <= 1.0 and not avoided:
+        return None
+    margin = best["margin"]
+    return factor, avoided, int(best["round"]), None if margin is None else float(margin)
+
+
+def _verified_advice(correction: float, avoided: str | None, round_no: int) -> str:
+    parts = []
+    if correction > 1.0:
+        parts.append(
+            f"re-planned with memory predictions raised x{correction:.2f}: the first plan's verified run "
+            "needed more memory than predicted"
+        )
+    if avoided:
+        parts.append(
+            f"the best plan without {avoided} measured a shorter step than the first plan that fitted"
+        )
+    return f"the plan verify round {round_no} measured (Measured vs predicted): " + "; and ".join(parts)
 
 
 def summarize(trace: Trace, summary: dict[str, Any]) -> None:

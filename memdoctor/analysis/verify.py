@@ -33,9 +33,20 @@ _ROUND_KEYS = (
     "measured_allocated_peak_bytes",
     "predicted_step_time_ratio",
     "measured_step_time_ratio",
+    "measured_step_time_ms",
+    "avoided",
+    "margin",
 )
 
-_NUMBERS = tuple(k for k in _ROUND_KEYS if k.endswith(("_bytes", "_ratio")) or k in ("round", "correction"))
+_NUMBERS = tuple(
+    k
+    for k in _ROUND_KEYS
+    if k.endswith(("_bytes", "_ratio", "_ms")) or k in ("round", "correction", "margin")
+)
+# A compared round (``avoided`` set: the best plan without the first plan's micro-batching or
+# checkpointing, ``memdoctor.runner.verify``) becomes the plan when its measured step time is at least
+# this much shorter; less is within the run-to-run noise of short runs (BENCHMARKS.md).
+COMPARED_MIN_GAIN = 0.03
 
 
 def rounds(trace: Trace) -> list[dict[str, Any]]:
@@ -55,7 +66,7 @@ def _clean(r: dict[str, Any]) -> dict[str, Any]:
     out["levers"] = [str(v) for v in levers] if isinstance(levers, list) else []
     for key in ("fits", "config_applied"):
         out[key] = out[key] is True
-    for key in ("trace", "outcome", "status", "peak_basis"):
+    for key in ("trace", "outcome", "status", "peak_basis", "avoided"):
         out[key] = None if out[key] is None else str(out[key])
     return out
 
@@ -67,15 +78,34 @@ def peak_error(measured: Any, predicted: Any) -> float | None:
     return round((measured - predicted) / predicted, 4)
 
 
+def chosen_round(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The round whose config is the plan: the first that fits, unless a compared round fits and
+    measured a step time ``COMPARED_MIN_GAIN`` shorter; None when no round fits."""
+    fitting = [r for r in rows if r.get("fits") is True]
+    if not fitting:
+        return None
+    first = next((r for r in fitting if not r.get("avoided")), fitting[0])
+    faster = [r for r in fitting if r.get("avoided") and _faster(r, first)]
+    return min(faster, key=lambda r: r["measured_step_time_ms"]) if faster else first
+
+
+def _faster(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ta, tb = a.get("measured_step_time_ms"), b.get("measured_step_time_ms")
+    numbers = all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in (ta, tb))
+    return numbers and ta < tb * (1.0 - COMPARED_MIN_GAIN)
+
+
 def verified(trace: Trace) -> dict[str, Any] | None:
-    """``summary.json``'s ``verified``: the last round's figures, the round count and every round."""
+    """``summary.json``'s ``verified``: the figures of the round whose config is the plan (the last
+    round when none fits), the round count and every round."""
     rows = rounds(trace)
     if not rows:
         return None
-    last = rows[-1]
+    last = chosen_round(rows) or rows[-1]
     keys = [k for k in _ROUND_KEYS if k not in ("round", "levers", "correction", "status")]
     out = {k: last[k] for k in keys}
     out["peak_error"] = peak_error(last["measured_peak_bytes"], last["predicted_peak_bytes"])
+    out["round"] = last["round"]
     out["rounds"] = len(rows)
     out["history"] = rows
     return out
@@ -103,10 +133,11 @@ def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | No
         "skipped": record.get("skipped"),
         "stopped": record.get("stopped"),
         "rounds": rows,
-        "final": rows[-1] if rows else None,
+        "final": (chosen_round(rows) or rows[-1]) if rows else None,
         "budget_bytes": budget,
         "max_rounds": _number(record.get("max_rounds")),
         "oom_floor": _number(record.get("oom_floor")),
+        "compared_min_gain": COMPARED_MIN_GAIN,
         "chart": peak_bars(rows, budget),
     }
 

@@ -317,7 +317,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     rest = max(0, int(peak) - accounted)
     temporaries = _temporaries(summary, rest, notes)
     complete = not summary.get("peak_from_incomplete_step")
-    cands = candidates(trace, rows)
+    cands = candidates(trace, rows, notes)
     pad, pad_why = padding_facts(trace, summary)
     missing = 0
     if not complete:
@@ -596,14 +596,51 @@ def _candidate(trace: Trace, row: dict[str, Any], free: int, ms: float) -> Candi
     return Candidate(row["name"], row["model"], row["index"], row["depth"], free, float(ms), frozenset(chain))
 
 
-def candidates(trace: Trace, rows: list[dict[str, Any]]) -> list[Candidate]:
-    """Modules below the root with a measured ``checkpoint_free_bytes`` and forward time."""
+def candidates(trace: Trace, rows: list[dict[str, Any]], notes: list[str] | None = None) -> list[Candidate]:
+    """Modules below the root with a measured ``checkpoint_free_bytes`` and forward time (a block's
+    first-call outlier capped: ``steady_forward_ms``)."""
     out = []
     for r in rows:
         free, ms = r["checkpoint_free_bytes"], r["forward_ms"]
         if r["depth"] >= 1 and free is not None and free >= MIN_CANDIDATE_BYTES and ms is not None:
             out.append(_candidate(trace, r, int(free), ms))
+    return steady_forward_ms(out, notes if notes is not None else [])
+
+
+# A module of a repeated stack whose forward took more than this many times the median of the same
+# module in the other blocks is taken at that median: the first block's first call carries one-off
+# costs (library handles, kernel autotuning). In GPT-2's re-profile under the HF Trainer, whose peak
+# step was its warm-up, block 0 took 188 ms against 19 ms for each of the others, and costed
+# checkpointing every block at twice its recomputation.
+STACK_OUTLIER_FACTOR = 2.0
+STACK_MIN_BLOCKS = 3
+_STACK_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def steady_forward_ms(cands: list[Candidate], notes: list[str]) -> list[Candidate]:
+    """``cands`` with each stack outlier's forward time set to its siblings' median (constants above)."""
+    groups: dict[tuple[int, int, str], list[float]] = {}
+    for c in cands:
+        groups.setdefault(_sibling_key(c), []).append(c.forward_ms)
+    out, capped = [], []
+    for c in cands:
+        times = groups[_sibling_key(c)]
+        median = statistics.median(times) if len(times) >= STACK_MIN_BLOCKS else None
+        if median is not None and c.forward_ms > STACK_OUTLIER_FACTOR * median:
+            capped.append(f"{c.name} {c.forward_ms:.1f} ms")
+            c = replace(c, forward_ms=median)
+        out.append(c)
+    if capped:
+        notes.append(
+            f"forward time taken at the median of the same module in the other blocks for {len(capped)} "
+            f"module{'s' if len(capped) > 1 else ''} measured at over {STACK_OUTLIER_FACTOR:g}x it "
+            f"({', '.join(capped[:3])}{', ...' if len(capped) > 3 else ''}: first-call costs)"
+        )
     return out
+
+
+def _sibling_key(c: Candidate) -> tuple[int, int, str]:
+    return (c.model, c.depth, _STACK_INDEX.sub(".#", c.name))
 
 
 # ----------------------------------------------------------------------------------------- prediction

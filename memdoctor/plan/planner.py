@@ -89,6 +89,7 @@ class Plan:
     advice: list[str] = field(default_factory=list)
     reason: str | None = None  # why no plan could be made at all
     grad_scaler: dict[str, Any] | None = None  # for an fp16 plan: settings from the measured ranges
+    avoided: str | None = None  # the lever family left out of the search (``make_plan``'s ``avoid``)
 
     @property
     def fits(self) -> bool:
@@ -114,6 +115,7 @@ class Plan:
             "advice": list(self.advice),
             "reason": self.reason,
             "grad_scaler": self.grad_scaler if pick.config.precision == "fp16" else None,
+            "avoided": self.avoided,
         }
 
 
@@ -124,17 +126,30 @@ def fits(p: Prediction, target: Target) -> bool:
 # ----------------------------------------------------------------------------------------- search
 
 
-def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None) -> Plan:
+def make_plan(
+    w: Workload, target: Target, priority: Sequence[str] | None = None, avoid: str | None = None
+) -> Plan:
     """The least-slowdown config that fits ``target``; the closest one and advice when none does.
     ``priority``: the lever families in the order the workload's nine-grid cell ranks them (ties in
-    predicted time go to the config whose levers rank first; ``DEFAULT_PRIORITY`` without a cell)."""
+    predicted time go to the config whose levers rank first; ``DEFAULT_PRIORITY`` without a cell).
+    ``avoid``: a lever family left out of the search (``COMPARED_FAMILIES``: ``--verify`` measures the
+    best plan without the chosen plan's costliest-to-predict lever, ``runner_up``)."""
+    plan = _search(w, target, priority, avoid)
+    plan.avoided = avoid
+    return plan
+
+
+def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: str | None) -> Plan:
     base = _predict(w, Config(), target)
     if fits(base, target) and not known_oom(w, base.config, target):
         return Plan(target, base, base, base, True, w.peak_bytes)
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
     for tier in (_tier_one(w, target), _tier_two(w, target)):
-        found = [p for p in (_with_checkpoints(w, c, target) for c in tier) if p is not None]
+        tier = [c for c in tier if not (avoid == "accumulation" and c.accumulation > 1)]
+        found = [
+            p for p in (_with_checkpoints(w, c, target, avoid != "checkpoint") for c in tier) if p is not None
+        ]
         tried += found
         fitting = [p for p in found if fits(p, target) and not known_oom(w, p.config, target)]
         if fitting:
@@ -144,6 +159,46 @@ def make_plan(w: Workload, target: Target, priority: Sequence[str] | None = None
     closest = min(tried or [base], key=lambda p: p.reserved_bytes)
     advice = what_would_fit(w, target, closest)
     return Plan(target, base, None, closest, False, w.peak_bytes, advice, grad_scaler=grad_scaler(w))
+
+
+# The lever families whose time the model predicts least well, and that most often trade against each
+# other: micro-batching costs a fixed time per micro-batch that the model takes as a share of the step
+# (on the H200 under bf16 it was far more: ViT-base in Lightning, bf16 + accumulate 2 at 1.84x the step
+# of bf16 alone, BENCHMARKS.md), and recomputation's cost depends on where the checkpointed modules'
+# forward time went. ``--verify`` measures the best plan without the chosen plan's one (``runner_up``).
+COMPARED_FAMILIES = ("accumulation", "checkpoint")
+
+
+# The compared plan is searched without the safety margin: it is measured before anyone applies it,
+# and becomes the plan only if the measured run fits (the margin absorbs prediction error; here a
+# measurement replaces the prediction). The model over-predicted GPT-2's checkpointed plans under bf16
+# (7.01 GiB allocated predicted, 6.46 measured for every block checkpointed), so that with the margin
+# the plan without micro-batching it found offloaded the optimizer as well.
+COMPARED_MARGIN = 0.0
+
+
+def compared_family(config: Config) -> str | None:
+    """The family ``runner_up`` leaves out for ``config``: the first of ``COMPARED_FAMILIES`` it uses."""
+    used = config.families()
+    return next((f for f in COMPARED_FAMILIES if f in used), None)
+
+
+def runner_up(w: Workload, target: Target, plan: Plan, priority: Sequence[str] | None = None) -> Plan | None:
+    """The best plan without the chosen plan's ``compared_family`` that ``memdoctor run`` can apply and
+    that is predicted to fit the budget itself, without the safety margin (``COMPARED_MARGIN``); None
+    when there is no such family or no such plan."""
+    if plan.chosen is None or plan.fits_as_is:
+        return None
+    family = compared_family(plan.chosen.config)
+    if family is None:
+        return None
+    other = make_plan(w, dataclasses.replace(target, margin=COMPARED_MARGIN), priority, avoid=family)
+    ok = (
+        other.chosen is not None
+        and runnable(other.chosen.config)
+        and other.chosen.config != plan.chosen.config
+    )
+    return other if ok else None
 
 
 def known_oom(w: Workload, config: Config, target: Target) -> bool:
@@ -274,10 +329,11 @@ def _accumulations(w: Workload) -> list[int]:
     return [a for a in ACCUMULATIONS if w.batch_size is None or (w.batch_size % a == 0 and w.batch_size >= a)]
 
 
-def _with_checkpoints(w: Workload, config: Config, target: Target) -> Prediction | None:
-    """``config`` as is when it fits, else with the checkpoints that make it fit (None: none do)."""
+def _with_checkpoints(w: Workload, config: Config, target: Target, allowed: bool = True) -> Prediction | None:
+    """``config`` as is when it fits (or checkpoints are not ``allowed``), else with the checkpoints that
+    make it fit (None: none do)."""
     p = _predict(w, config, target)
-    if fits(p, target):
+    if fits(p, target) or not allowed:
         return p
     chosen = choose_checkpoints(w, config, target)
     if not chosen:

@@ -26,11 +26,12 @@ from typing import Any
 
 from memdoctor import exitcodes
 from memdoctor.analysis.plan import summary_target
+from memdoctor.analysis.verify import chosen_round
 from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
 from memdoctor.errors import MemdoctorError
 from memdoctor.outputs import ensure_writable
 from memdoctor.plan.model import Workload, _batch_size, corrected_workload, workload
-from memdoctor.plan.planner import Target, make_plan
+from memdoctor.plan.planner import Target, make_plan, runner_up
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
 from memdoctor.trace import Trace, load_trace
 from memdoctor.units import format_bytes
@@ -98,14 +99,16 @@ class _Rounds:
         """Verify ``plan``; re-plan and verify again while it does not fit. (rounds, why it stopped)."""
         done: list[dict[str, Any]] = []
         correction = 1.0
+        order = (self.summary.get("lever_priority") or {}).get("order")  # as the report's plan does
         for k in range(1, self.max_rounds + 1):
             r = self.one(k, plan, correction)
             done.append(r)
             stopped = _why_stop(r, k, self.max_rounds)
+            if r["fits"] and k < self.max_rounds:
+                self.compare(k + 1, _corrected(w, correction), order, done)
             if stopped is not None or r["fits"]:
                 return done, stopped
             correction *= error_factor(r, self.target.budget_bytes)
-            order = (self.summary.get("lever_priority") or {}).get("order")  # as the report's plan does
             plan = make_plan(corrected_workload(w, correction), self.target, order).as_dict()
             if not plan["fits"]:
                 return done, (
@@ -115,12 +118,34 @@ class _Rounds:
             self.say(f"verify: re-planned with memory predictions raised x{correction:.2f}: {_levers(plan)}")
         return done, None  # not reached: the last round always stops
 
-    def one(self, k: int, plan: dict[str, Any], correction: float) -> dict[str, Any]:
+    def compare(self, k: int, w: Workload, order: Any, done: list[dict[str, Any]]) -> None:
+        """Round ``k``: the plan of round ``k - 1`` fits; measure the best plan without its costliest-to-
+        predict lever too (``runner_up``), so that the faster of the two, measured, becomes the plan."""
+        fitted = done[-1]
+        first = make_plan(w, self.target, order)
+        other = runner_up(w, self.target, first, order)
+        if other is None:
+            return
+        family = other.avoided
+        self.say(
+            f"verify: the plan fits; measuring the best plan without {family} too, to compare step times"
+        )
+        r = self.one(k, other.as_dict(), fitted["correction"], avoided=family)
+        r["margin"] = other.target.margin
+        done.append(r)
+        best = chosen_round(done)
+        if best is not None and best is r:
+            self.say(f"verify: the plan without {family} measured faster: it is the plan now")
+
+    def one(
+        self, k: int, plan: dict[str, Any], correction: float, avoided: str | None = None
+    ) -> dict[str, Any]:
         """Round ``k``: profile with ``plan`` applied, and say how it went."""
         n = self.max_rounds
         self.say(f"verify round {k}/{n}: profiling with the plan applied ({_levers(plan)}) ...")
         config = _config(plan, self.trace, self.summary)
         r = run_round(k, config, plan, correction, self.request, self.run, self.target)
+        r["avoided"] = avoided
         baseline = self.summary.get("step_time_ms")
         r["measured_step_time_ratio"] = step_ratio(r["measured_step_time_ms"], baseline)
         self.say(f"verify round {k}/{n}: {round_line(r)}")
@@ -128,6 +153,10 @@ class _Rounds:
             where = round_dir(self.request.out_dir, k) / CONFIG_FILENAME
             self.say(f"verify: the re-planned config fits: apply {where}")
         return r
+
+
+def _corrected(w: Workload, correction: float) -> Workload:
+    return corrected_workload(w, correction) if correction > 1.0 else w
 
 
 def nothing_to_verify(plan: dict[str, Any] | None) -> str | None:
