@@ -429,3 +429,28 @@ def test_profile_verify_end_to_end(
     assert 'id="verify-rounds"' in html
     err = capsys.readouterr().err
     assert "verify round 1/3" in err
+
+
+def test_a_compared_plan_that_runs_out_of_memory_is_re_planned_with_its_error(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    outcomes = [
+        (exitcodes.OK, 7 * GiB, 300.0),
+        (exitcodes.OUT_OF_MEMORY, 8 * GiB),
+        (exitcodes.OK, 7 * GiB, 200.0),
+    ]
+    runner = FakeRunner(outcomes)
+    record, lines = _verify(first_run, tmp_path, runner)
+    first, compared, again = record["rounds"]
+    assert first["avoided"] is None and compared["avoided"] == again["avoided"] == "accumulation"
+    assert compared["margin"] == again["margin"] == 0.05 and compared["outcome"] == "oom"
+    assert again["correction"] > compared["correction"] == 1.0
+    assert runner.requests[1].config != runner.requests[2].config
+    assert any("re-planned the plan without accumulation" in line for line in lines)
+    trace, _ = first_run
+    trace.collected[RECORD_NAME] = record
+    plan = build_summary(trace)["plan"]
+    # the report's plan is round 3's: the same search (its correction, half the margin, no micro-batching)
+    assert plan["config"]["accumulation_steps"] == 1 and plan["safety_margin"] == 0.05
+    assert plan["predicted_reserved_bytes"] == pytest.approx(again["predicted_peak_bytes"], rel=1e-4)
+    assert "verify round 3" in plan["advice"][0]

@@ -92,7 +92,7 @@ def chosen_round(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _faster(a: dict[str, Any], b: dict[str, Any]) -> bool:
     ta, tb = a.get("measured_step_time_ms"), b.get("measured_step_time_ms")
     numbers = all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in (ta, tb))
-    return numbers and ta < tb * (1.0 - COMPARED_MIN_GAIN)
+    return numbers and float(ta) < float(tb) * (1.0 - COMPARED_MIN_GAIN)  # type: ignore[arg-type]
 
 
 def verified(trace: Trace) -> dict[str, Any] | None:

@@ -169,12 +169,13 @@ def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: 
 COMPARED_FAMILIES = ("accumulation", "checkpoint")
 
 
-# The compared plan is searched without the safety margin: it is measured before anyone applies it,
-# and becomes the plan only if the measured run fits (the margin absorbs prediction error; here a
-# measurement replaces the prediction). The model over-predicted GPT-2's checkpointed plans under bf16
-# (7.01 GiB allocated predicted, 6.46 measured for every block checkpointed), so that with the margin
-# the plan without micro-batching it found offloaded the optimizer as well.
-COMPARED_MARGIN = 0.0
+# The compared plan is searched with half the safety margin: it is measured before anyone applies it,
+# and becomes the plan only if the measured run fits and is faster (the margin absorbs prediction
+# error; here a measurement checks the prediction). The model over-predicted GPT-2's checkpointed
+# plans under bf16 (7.01 GiB allocated predicted, 6.46 measured for every block checkpointed), so that
+# with the full margin the plan without micro-batching it found offloaded the optimizer as well; with
+# none, BERT's (bf16 alone, parameter offload, 7.93 GiB predicted of 8) ran out of memory.
+COMPARED_MARGIN = SAFETY_MARGIN / 2
 
 
 def compared_family(config: Config) -> str | None:
@@ -185,20 +186,25 @@ def compared_family(config: Config) -> str | None:
 
 def runner_up(w: Workload, target: Target, plan: Plan, priority: Sequence[str] | None = None) -> Plan | None:
     """The best plan without the chosen plan's ``compared_family`` that ``memdoctor run`` can apply and
-    that is predicted to fit the budget itself, without the safety margin (``COMPARED_MARGIN``); None
+    that is predicted to fit the budget with half the safety margin (``COMPARED_MARGIN``); None
     when there is no such family or no such plan."""
     if plan.chosen is None or plan.fits_as_is:
         return None
     family = compared_family(plan.chosen.config)
     if family is None:
         return None
+    other = compared_plan(w, target, family, priority)
+    same = other is not None and other.chosen is not None and other.chosen.config == plan.chosen.config
+    return None if same else other
+
+
+def compared_plan(
+    w: Workload, target: Target, family: str, priority: Sequence[str] | None = None
+) -> Plan | None:
+    """The best plan without lever ``family``, searched with ``COMPARED_MARGIN``, that ``memdoctor run``
+    can apply; None when none fits."""
     other = make_plan(w, dataclasses.replace(target, margin=COMPARED_MARGIN), priority, avoid=family)
-    ok = (
-        other.chosen is not None
-        and runnable(other.chosen.config)
-        and other.chosen.config != plan.chosen.config
-    )
-    return other if ok else None
+    return other if other.chosen is not None and runnable(other.chosen.config) else None
 
 
 def known_oom(w: Workload, config: Config, target: Target) -> bool:

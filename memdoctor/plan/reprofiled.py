@@ -155,7 +155,7 @@ def advice(found: dict[str, Any]) -> str:
     if not found["planned_from_reprofile"]:
         return f"{died}; no re-profile measured them ({found['stopped']}): every prediction is a lower bound"
     k = found["accumulation_steps"]
-    used = next((r for r in found["rounds"] if r["round"] == found["used_round"]), {})
+    used: dict[str, Any] = next((r for r in found["rounds"] if r["round"] == found["used_round"]), {})
     where = f" ({used['trace']})" if used.get("trace") else ""
     return (
         f"{died}; memdoctor re-profiled it at micro-batch 1/{k}{where} and this plan is made from that run, "

@@ -31,7 +31,7 @@ from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
 from memdoctor.errors import MemdoctorError
 from memdoctor.outputs import ensure_writable
 from memdoctor.plan.model import Workload, _batch_size, corrected_workload, workload
-from memdoctor.plan.planner import Target, make_plan, runner_up
+from memdoctor.plan.planner import Target, compared_plan, make_plan, runner_up
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
 from memdoctor.trace import Trace, load_trace
 from memdoctor.units import format_bytes
@@ -105,7 +105,7 @@ class _Rounds:
             done.append(r)
             stopped = _why_stop(r, k, self.max_rounds)
             if r["fits"] and k < self.max_rounds:
-                self.compare(k + 1, _corrected(w, correction), order, done)
+                self.compare(k + 1, w, correction, order, done)
             if stopped is not None or r["fits"]:
                 return done, stopped
             correction *= error_factor(r, self.target.budget_bytes)
@@ -118,24 +118,42 @@ class _Rounds:
             self.say(f"verify: re-planned with memory predictions raised x{correction:.2f}: {_levers(plan)}")
         return done, None  # not reached: the last round always stops
 
-    def compare(self, k: int, w: Workload, order: Any, done: list[dict[str, Any]]) -> None:
-        """Round ``k``: the plan of round ``k - 1`` fits; measure the best plan without its costliest-to-
-        predict lever too (``runner_up``), so that the faster of the two, measured, becomes the plan."""
-        fitted = done[-1]
-        first = make_plan(w, self.target, order)
-        other = runner_up(w, self.target, first, order)
+    def compare(self, k: int, w: Workload, correction: float, order: Any, done: list[dict[str, Any]]) -> None:
+        """From round ``k``: the plan of round ``k - 1`` fits; measure the best plan without its
+        costliest-to-predict lever too (``runner_up``), so that the faster of the two, measured, becomes
+        the plan. A compared plan that does not fit is re-planned with its measured error, as the plan
+        is, while rounds remain."""
+        first = make_plan(_corrected(w, correction), self.target, order)
+        other = runner_up(_corrected(w, correction), self.target, first, order)
         if other is None:
             return
         family = other.avoided
+        assert family is not None
         self.say(
             f"verify: the plan fits; measuring the best plan without {family} too, to compare step times"
         )
-        r = self.one(k, other.as_dict(), fitted["correction"], avoided=family)
-        r["margin"] = other.target.margin
-        done.append(r)
-        best = chosen_round(done)
-        if best is not None and best is r:
-            self.say(f"verify: the plan without {family} measured faster: it is the plan now")
+        while other is not None:
+            r = self.one(k, other.as_dict(), correction, avoided=family)
+            r["margin"] = other.target.margin
+            done.append(r)
+            if r["fits"]:
+                faster = chosen_round(done) is r
+                verdict = (
+                    "measured faster: it is the plan now" if faster else "measured no faster: the plan stands"
+                )
+                self.say(f"verify: the plan without {family} {verdict}")
+                return
+            if k == self.max_rounds or r["outcome"] not in ("oom", "over_budget"):
+                self.say(f"verify: the plan without {family} does not fit: the plan stands")
+                return
+            correction *= error_factor(r, self.target.budget_bytes)
+            other = compared_plan(corrected_workload(w, correction), self.target, family, order)
+            k += 1
+            if other is not None:
+                self.say(
+                    f"verify: re-planned the plan without {family} with memory predictions raised "
+                    f"x{correction:.2f}: {_levers(other.as_dict())}"
+                )
 
     def one(
         self, k: int, plan: dict[str, Any], correction: float, avoided: str | None = None
@@ -149,7 +167,7 @@ class _Rounds:
         baseline = self.summary.get("step_time_ms")
         r["measured_step_time_ratio"] = step_ratio(r["measured_step_time_ms"], baseline)
         self.say(f"verify round {k}/{n}: {round_line(r)}")
-        if r["fits"] and k > 1:
+        if r["fits"] and k > 1 and avoided is None:
             where = round_dir(self.request.out_dir, k) / CONFIG_FILENAME
             self.say(f"verify: the re-planned config fits: apply {where}")
         return r
