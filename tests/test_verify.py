@@ -132,7 +132,7 @@ def test_oom_then_over_budget_re_plans_until_it_fits(
     assert runner.requests[0].config != runner.requests[1].config != runner.requests[2].config
     assert record["stopped"] is None
     assert sum("re-planned with" in line for line in lines) == 2
-    assert any("apply" in line and "verify-3" in line for line in lines)
+    assert any("the plan is now round 3's config (verify-3/trace.jsonl.gz): apply" in line for line in lines)
 
 
 def test_after_a_re_plan_that_fits_the_report_plans_as_that_round(

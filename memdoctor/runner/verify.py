@@ -80,6 +80,10 @@ def verify(
     record["rounds"], record["stopped"] = rounds.loop(w, plan)
     if record["stopped"]:
         say(f"verify: stopped: {record['stopped']}")
+    best = chosen_round(record["rounds"])
+    if best is not None and best["round"] > 1:
+        where = request.out_dir / CONFIG_FILENAME
+        say(f"verify: the plan is now round {best['round']}'s config ({best['trace']}): apply {where}")
     return record
 
 
@@ -167,9 +171,6 @@ class _Rounds:
         baseline = self.summary.get("step_time_ms")
         r["measured_step_time_ratio"] = step_ratio(r["measured_step_time_ms"], baseline)
         self.say(f"verify round {k}/{n}: {round_line(r)}")
-        if r["fits"] and k > 1 and avoided is None:
-            where = round_dir(self.request.out_dir, k) / CONFIG_FILENAME
-            self.say(f"verify: the re-planned config fits: apply {where}")
         return r
 
 
