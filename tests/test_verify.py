@@ -98,9 +98,9 @@ def test_a_plan_that_fits_is_verified_in_one_round(
     assert req.out_dir == tmp_path / "verify" and req.budget_bytes == 8 * GiB and req.args == ["--lr", "1"]
     assert req.config is not None and req.config["accumulation_steps"] == plan["config"]["accumulation_steps"]
     assert load_config(tmp_path / "verify" / "memdoctor.yaml").as_dict() == req.config  # what it applied
-    r, compared = record["rounds"]  # the second: the best plan without the first one's checkpointing
-    assert compared["avoided"] == "checkpoint" and r["avoided"] is None
-    assert compared["config"]["checkpoint"] == [] and plan["config"]["checkpoint"]
+    r, compared = record["rounds"]  # the second: the best plan without the first one's micro-batching
+    assert compared["avoided"] == "accumulation" and r["avoided"] is None
+    assert compared["config"]["accumulation_steps"] == 1 < plan["config"]["accumulation_steps"]
     assert runner.requests[1].out_dir == tmp_path / "verify-2"
     assert r["fits"] and r["outcome"] == "fits" and record["stopped"] is None
     assert r["predicted_peak_bytes"] == plan["predicted_reserved_bytes"]
@@ -273,8 +273,7 @@ def test_summary_verified_shape(first_run: tuple[Trace, dict[str, Any]], tmp_pat
     assert (
         v["rounds"] == 3 and v["round"] == 3 and v["fits"] is True and v["trace"] == "verify-3/trace.jsonl.gz"
     )
-    family = v["avoided"]
-    assert family in ("accumulation", "checkpoint") and v["measured_step_time_ms"] == 200.0
+    assert v["avoided"] == "accumulation" and v["measured_step_time_ms"] == 200.0
     assert v["measured_peak_bytes"] == 13 * GiB // 2 and v["peak_basis"] == "reserved"
     assert v["peak_error"] == pytest.approx(
         (13 * GiB // 2 - v["predicted_peak_bytes"]) / v["predicted_peak_bytes"], abs=1e-4
@@ -283,13 +282,13 @@ def test_summary_verified_shape(first_run: tuple[Trace, dict[str, Any]], tmp_pat
     json.dumps(v, allow_nan=False)
     summary = build_summary(trace)
     plan = summary["plan"]
-    assert plan["avoided"] == family and _without(plan["config"], family)
-    assert f"the best plan without {family} measured a shorter step" in plan["advice"][0]
+    assert plan["avoided"] == "accumulation" and plan["config"]["accumulation_steps"] == 1
+    assert "the best plan without accumulation measured a shorter step" in plan["advice"][0]
     ctx = report_section(trace, summary)
     assert ctx is not None and ctx["chart"].startswith("data:image/svg+xml") and len(ctx["rounds"]) == 3
     html = render_report(trace)
     assert 'id="verify-rounds"' in html and "verify-3/memdoctor.yaml" in html
-    assert f"compared: the best plan without {family}" in html
+    assert "compared: the best plan without accumulation" in html
 
 
 def test_a_compared_plan_within_the_noise_does_not_replace_the_plan(
@@ -302,7 +301,7 @@ def test_a_compared_plan_within_the_noise_does_not_replace_the_plan(
     summary = build_summary(trace)
     assert summary["plan"]["config"] == first["plan"]["config"] and summary["verified"]["round"] == 1
     record["rounds"][1]["measured_step_time_ms"] = 250.0
-    assert _without(build_summary(trace)["plan"]["config"], record["rounds"][1]["avoided"])
+    assert build_summary(trace)["plan"]["config"]["accumulation_steps"] == 1
 
 
 def test_unverified_report_says_so() -> None:
@@ -443,21 +442,15 @@ def test_a_compared_plan_that_runs_out_of_memory_is_re_planned_with_its_error(
     runner = FakeRunner(outcomes)
     record, lines = _verify(first_run, tmp_path, runner)
     first, compared, again = record["rounds"]
-    family = compared["avoided"]
-    assert first["avoided"] is None and family == again["avoided"] == "checkpoint"
+    assert first["avoided"] is None and compared["avoided"] == again["avoided"] == "accumulation"
     assert compared["margin"] == again["margin"] == 0.05 and compared["outcome"] == "oom"
     assert again["correction"] > compared["correction"] == 1.0
     assert runner.requests[1].config != runner.requests[2].config
-    assert any(f"re-planned the plan without {family}" in line for line in lines)
+    assert any("re-planned the plan without accumulation" in line for line in lines)
     trace, _ = first_run
     trace.collected[RECORD_NAME] = record
     plan = build_summary(trace)["plan"]
     # the report's plan is round 3's: the same search (its correction, half the margin, no micro-batching)
-    assert _without(plan["config"], family) and plan["safety_margin"] == 0.05
+    assert plan["config"]["accumulation_steps"] == 1 and plan["safety_margin"] == 0.05
     assert plan["predicted_reserved_bytes"] == pytest.approx(again["predicted_peak_bytes"], rel=1e-4)
     assert "verify round 3" in plan["advice"][0]
-
-
-def _without(config: dict[str, Any], family: str) -> bool:
-    """Does the plan's ``config`` leave out lever ``family``?"""
-    return config["accumulation_steps"] == 1 if family == "accumulation" else config["checkpoint"] == []

@@ -38,14 +38,6 @@ ASSUMED_ADAM_STATE_FACTOR = 2.0
 # launches, fixed-size work), by the measured compute class; "unknown" when compute was not measured.
 # Without a compute measurement the cost is unknown (and said so) rather than guessed.
 ACCUMULATION_FIXED_SHARE: dict[str | None, float] = {"high": 0.05, "medium": 0.15, "low": 0.3}
-# Under autocast each extra micro-batch repeats at least this share of the fp32 forward+backward time:
-# the 16-bit step is shorter while its per-micro-batch launches and framework work are not, so it is
-# often launch-bound. Calibrated on the H200 (BENCHMARKS.md, the scenarios): an extra micro-batch
-# cost 21% of the fp32 forward+backward for ViT-base in Lightning (bf16 + accumulate 2 at 1.84x the
-# step of bf16 alone), 12% for BERT-base b32 s512 in a plain loop, 13-24% for GPT-2 small in the HF
-# Trainer, where the 5% of a compute-bound fp32 step made the planner pick micro-batching plans that
-# ran at 63% of the checkpointed plan's speed (the story, 2026-12-03).
-ACCUMULATION_AMP_SHARE = 0.15
 # Time: forward+backward under autocast as a fraction of fp32, with tensor cores for the dtype.
 AMP_TIME_FACTOR = {"high": 0.6, "medium": 0.8, "low": 0.95, None: 0.8}
 # Time: autocast from the device's capabilities (``amp_time_factor``). 16-bit matmuls are assumed to
@@ -909,10 +901,7 @@ def time_model(
         assumptions.append("recomputation costs the measured forward time of each checkpointed module")
     if config.accumulation > 1:
         out["accumulation"] = _accumulation_ms(w, config, assumptions)
-        basis["accumulation"] = (
-            "assumption: a fixed share per micro-batch by the measured compute class (at least "
-            f"{ACCUMULATION_AMP_SHARE:.0%} under autocast, calibrated on the GPU)"
-        )
+        basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
     if config.precision != "fp32":
         out["autocast"] = _amp_ms(w, config, target, assumptions, basis)
     if config.optimizer == "offload":
@@ -974,13 +963,6 @@ def _transfer_ms(w: Workload, nbytes: float, target: _Link, basis: dict[str, str
 
 def _accumulation_ms(w: Workload, config: Config, assumptions: list[str]) -> float | None:
     share = ACCUMULATION_FIXED_SHARE.get(w.compute_class)
-    if share is not None and config.precision != "fp32" and share < ACCUMULATION_AMP_SHARE:
-        assumptions.append(
-            f"under {config.precision} autocast each extra micro-batch repeats at least "
-            f"{ACCUMULATION_AMP_SHARE:.0%} of the fp32 forward+backward time (launch-bound 16-bit steps; "
-            "calibrated on the GPU)"
-        )
-        share = ACCUMULATION_AMP_SHARE
     if share is None or w.fwd_bwd_ms is None:
         assumptions.append(
             "the cost of smaller micro-batches is unknown: compute intensity was not measured (profile "
