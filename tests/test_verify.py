@@ -4,6 +4,7 @@ trace, ``summary.json``'s ``verified``, the report section, and one real end-to-
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,12 @@ def test_a_plan_that_fits_is_verified_in_one_round(
     assert r["fits"] and r["outcome"] == "fits" and record["stopped"] is None
     assert r["predicted_peak_bytes"] == plan["predicted_reserved_bytes"]
     assert r["measured_peak_bytes"] == 7 * GiB and r["peak_basis"] == "reserved"
-    assert r["measured_step_time_ratio"] == pytest.approx(300.0 / first_run[1]["step_time_ms"], rel=1e-3)
+    # over the first run's timing steps (its steps without module hooks), as the verified run's are taken
+    timing = [
+        x.duration_ms for x in first_run[0].steps if x.detail == "timing" and not x.warmup and x.complete
+    ]
+    assert timing and r["step_time_basis"] == "profiled steps"  # the fake round's trace has no timing steps
+    assert r["measured_step_time_ratio"] == pytest.approx(300.0 / statistics.median(timing), rel=1e-3)
     assert r["trace"] == "verify/trace.jsonl.gz"
     assert any("verify round 1/3" in line and "fits the budget" in line for line in lines)
 
@@ -454,3 +460,16 @@ def test_a_compared_plan_that_runs_out_of_memory_is_re_planned_with_its_error(
     assert plan["config"]["accumulation_steps"] == 1 and plan["safety_margin"] == 0.05
     assert plan["predicted_reserved_bytes"] == pytest.approx(again["predicted_peak_bytes"], rel=1e-4)
     assert "verify round 3" in plan["advice"][0]
+
+
+def test_a_verified_step_time_is_its_timing_steps_when_it_has_them() -> None:
+    """Ledger steps run module hooks (more of them for a checkpointed plan, whose recomputed modules run
+    them again): plans are compared by the steps without them."""
+    trace = load_trace(BERT32)
+    timing = [s.duration_ms for s in trace.steps if s.detail == "timing" and not s.warmup and s.complete]
+    measured = measure(trace, {"step_time_ms": 1.0})
+    assert measured["step_time_basis"] == "timing steps"
+    assert measured["measured_step_time_ms"] == pytest.approx(statistics.median(timing), abs=1e-3)
+    for s in trace.steps:
+        s.detail = "full"
+    assert measure(trace, {"step_time_ms": 1.0})["measured_step_time_ms"] == 1.0

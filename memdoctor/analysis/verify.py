@@ -34,6 +34,7 @@ _ROUND_KEYS = (
     "predicted_step_time_ratio",
     "measured_step_time_ratio",
     "measured_step_time_ms",
+    "step_time_basis",
     "avoided",
     "margin",
 )
@@ -66,7 +67,7 @@ def _clean(r: dict[str, Any]) -> dict[str, Any]:
     out["levers"] = [str(v) for v in levers] if isinstance(levers, list) else []
     for key in ("fits", "config_applied"):
         out[key] = out[key] is True
-    for key in ("trace", "outcome", "status", "peak_basis", "avoided"):
+    for key in ("trace", "outcome", "status", "peak_basis", "avoided", "step_time_basis"):
         out[key] = None if out[key] is None else str(out[key])
     return out
 
