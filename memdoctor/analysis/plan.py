@@ -58,7 +58,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         pw = corrected_workload(w, correction) if correction > 1.0 else w
         searched = target if choice is None or choice[3] is None else replace(target, margin=choice[3])
         made = make_plan(pw, searched, order, avoid=avoided)
-        plan = {**made.as_dict(), "alternatives": alternatives(pw, target, made)}
+        plan = {**made.as_dict(), "alternatives": alternatives(pw, searched, made)}
         if choice is not None:
             plan["advice"].insert(0, _verified_advice(*choice[:3]))
         reprofiled = reprofile_record(trace)
