@@ -93,8 +93,9 @@ def reprofile(
         left = r["unmeasured_modules"]
         if left is None or left >= before:
             record["stopped"] = (
-                f"at micro-batch 1/{k} the run got no further in its forward ({left} modules unmeasured, "
-                f"{before} before): what runs out of memory does not shrink with the batch"
+                f"at micro-batch 1/{k} the run got no further in its forward ({left} unmeasured "
+                f"module{'' if left == 1 else 's'}, {before} before): what runs out of memory does not "
+                "shrink with the batch"
             )
             break
         before = left
