@@ -508,6 +508,87 @@ def test_ctrl_c_keeps_the_steps_and_exits_130(tmp_path: Path) -> None:
     run.assert_clean()
 
 
+def test_ctrl_c_stops_a_child_that_inherited_sigint_ignored(tmp_path: Path) -> None:
+    # A shell without job control starts background jobs (`.ci/run > log &`) with SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler; the supervisor always handles Ctrl-C, so its
+    # child must too. Here the script's own SIGINT stands for the terminal's Ctrl-C reaching the child;
+    # the loop is bounded so that a child that ignores it ends as "script_finished" instead of hanging.
+    body = (
+        "for step in range(200):\n    train_step()\n"
+        "    if step == 2:\n        os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.005)\n"
+    )
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child, as from that shell
+    try:
+        run = profile(tmp_path, fault_script(body), "--warmup", "1", "--steps", "100000")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert run.code == exitcodes.INTERRUPTED, run.end()
+    assert run.end()["status"] == "interrupted"
+    assert [e["kind"] for e in run.trace.events if e.get("kind") == "interrupted"] == ["interrupted"]
+    assert run.complete_steps()[:3] == [0, 1, 2]
+    run.assert_outputs()
+    run.assert_clean()
+
+
+# a script that marks (in its cwd's parent) that it has run two steps, then runs on; IGNORE: it ignores
+# Ctrl-C. Bounded, so that a supervisor that never stops it fails the test as "script_finished".
+STUBBORN = """\
+if IGNORE:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+for step in range(3000):
+    train_step()
+    if step == 1:
+        open(os.path.join(os.path.dirname(os.getcwd()), "ready"), "w").close()
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize(
+    ("ignore", "escalated"),
+    [(False, "SIGINT"), (True, "SIGKILL")],
+    ids=["ctrl_c_reaches_memdoctor_only", "script_ignores_ctrl_c"],
+)
+def test_ctrl_c_always_ends_the_run_promptly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ignore: bool, escalated: str
+) -> None:
+    """A Ctrl-C the child never sees (``kill -INT`` of memdoctor alone) is forwarded to it; a child
+    that still runs on is killed; either way the run ends as interrupted, with its finished steps."""
+    from memdoctor.runner import supervisor
+
+    monkeypatch.setattr(supervisor, "INTERRUPT_FORWARD_S", 0.5)
+    monkeypatch.setattr(supervisor, "INTERRUPT_KILL_S", 2.0)
+    ready = tmp_path / "ready"
+
+    def ctrl_c_to_memdoctor_only() -> None:
+        deadline = time.monotonic() + 90
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ready.exists():  # the supervisor is waiting for the child: its handler is installed
+            os.kill(os.getpid(), signal.SIGINT)
+
+    sender = threading.Thread(target=ctrl_c_to_memdoctor_only, daemon=True)
+    sender.start()
+    start = time.monotonic()
+    run = profile(
+        tmp_path, fault_script(f"IGNORE = {ignore}\n" + STUBBORN), "--warmup", "1", "--steps", "100000"
+    )
+    sender.join(5)
+    assert ready.exists(), "the script never reached step 2"
+    assert time.monotonic() - start < 30  # the script alone would run ~30 s or more
+    assert run.code == exitcodes.INTERRUPTED
+    end = run.end()
+    assert end["status"] == "interrupted"
+    recorded = [e["kind"] for e in run.trace.events if e.get("kind") == "interrupted"]
+    if escalated == "SIGINT":  # the forwarded Ctrl-C: the child recorded where it was and exited 130
+        assert recorded == ["interrupted"] and end["exit_code"] == exitcodes.INTERRUPTED
+    else:  # killed: no event of its own, and the message says why the run ended so
+        assert recorded == [] and end["signal"] == "SIGKILL"
+        assert "did not stop within 2 s and was killed" in end["message"]
+    assert run.complete_steps()[:2] == [0, 1]
+    run.assert_outputs()
+    run.assert_clean()
+
+
 def test_timeout_stops_a_script_that_never_steps(tmp_path: Path) -> None:
     body = "model(x).sum().backward()\ntime.sleep(3600)\n"
     start = time.monotonic()

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -23,6 +24,7 @@ import types
 from typing import Any
 
 from memdoctor.errors import ConfigError
+from memdoctor.exitcodes import INTERRUPTED
 
 ENV_VAR = "MEMDOCTOR_CHILD"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memdoctor/
@@ -31,6 +33,7 @@ EXIT_STOPPED = 0
 
 def main() -> int:
     cfg = json.loads(os.environ.pop(ENV_VAR))
+    _ctrl_c_raises()
     from memdoctor.capture.session import ProfileSession
     from memdoctor.device import default_device
     from memdoctor.trace import TraceWriter
@@ -131,9 +134,17 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         writer.write(_event("script_exit", msg, where, exit_code=code))
         return code
     except KeyboardInterrupt:
+        # A second Ctrl-C, or the supervisor's own SIGINT to a child slow to stop, must not interrupt
+        # the recording of what was measured; the supervisor kills the child if it is needed.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         where = _close(session)
         writer.write(_event("interrupted", "interrupted (Ctrl-C)", where))
-        return 130
+        writer.close()
+        # Recorded and closed: leave now, as the requested-steps stop does, rather than wait at
+        # interpreter exit for the script's non-daemon threads or atexit handlers to end.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
     except ConfigError as exc:  # --config: a part of the plan cannot apply to this script
         where = _close(session)
         writer.write(_event("config_error", str(exc), where))
@@ -148,6 +159,16 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
     session.finish()
     writer.write(_event("script_finished", "the script finished", session.where()))
     return 0
+
+
+def _ctrl_c_raises() -> None:
+    """Make Ctrl-C raise ``KeyboardInterrupt`` here even if this process inherited SIGINT ignored.
+
+    Python leaves SIGINT ignored when its parent ignored it (a process started from a shell's
+    background job, or from a parent that ignores Ctrl-C while it waits); the supervisor always
+    handles Ctrl-C, so the child must too, or Ctrl-C would leave the script running."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _run_script(script: str) -> None:
@@ -248,5 +269,13 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+def _entry() -> None:
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before the script started (importing torch): nothing measured
+        code = INTERRUPTED
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _entry()

@@ -64,6 +64,17 @@ class _ChildOutcome:
     interrupted: bool = False
     timed_out: bool = False
     duration_s: float = 0.0
+    interrupted_at: float | None = None  # time.monotonic() of the first Ctrl-C
+    escalated: str | None = None  # what the supervisor had to send after Ctrl-C: "SIGINT", "SIGKILL"
+
+
+# After Ctrl-C the child normally records what it has and exits within a second or two. One that has
+# not after INTERRUPT_FORWARD_S gets a SIGINT of its own (a Ctrl-C sent to memdoctor's process only,
+# ``kill -INT``, never reached it); one still running after INTERRUPT_KILL_S is killed, and the trace
+# keeps every step it had flushed: Ctrl-C must always end the run promptly and leave its outputs.
+INTERRUPT_FORWARD_S = 5.0
+INTERRUPT_KILL_S = 20.0
+_POLL_S = 0.25
 
 
 def run_profile(req: ProfileRequest) -> ProfileResult:
@@ -141,10 +152,12 @@ def _run_child(req: ProfileRequest, partial: Path) -> _ChildOutcome:
     previous = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum: int, frame: Any) -> None:
-        # The terminal sends Ctrl-C to the child too; it records what it has and exits. A second
-        # Ctrl-C stops it at once.
+        # The terminal sends Ctrl-C to the child too; it records what it has and exits (_wait makes
+        # sure it does). A second Ctrl-C stops it at once.
         if outcome.interrupted:
             proc.kill()
+        else:
+            outcome.interrupted_at = time.monotonic()
         outcome.interrupted = True
 
     signal.signal(signal.SIGINT, on_sigint)
@@ -170,15 +183,31 @@ def _progress(req: ProfileRequest, partial: Path) -> Iterator[None]:
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout_s: float | None, outcome: _ChildOutcome) -> int:
+    """The child's exit status; it is stopped when ``timeout_s`` expires or it outlives a Ctrl-C."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
-            left = None if deadline is None else max(0.01, deadline - time.monotonic())
-            return proc.wait(timeout=left if left is not None else 3600)
+            # short waits: a Ctrl-C (on_sigint) only sets a flag, and this loop acts on it
+            return proc.wait(timeout=_POLL_S)
         except subprocess.TimeoutExpired:
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline and not outcome.interrupted:
                 outcome.timed_out = True
                 return _stop_child(proc)
+            _escalate(proc, outcome)
+
+
+def _escalate(proc: subprocess.Popen[bytes], outcome: _ChildOutcome) -> None:
+    """Make a child that outlives a Ctrl-C stop: its own SIGINT first, then SIGKILL."""
+    if outcome.interrupted_at is None:
+        return
+    since = time.monotonic() - outcome.interrupted_at
+    if since >= INTERRUPT_KILL_S and outcome.escalated != "SIGKILL":
+        outcome.escalated = "SIGKILL"
+        proc.kill()
+    elif since >= INTERRUPT_FORWARD_S and outcome.escalated is None:
+        outcome.escalated = "SIGINT"
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
 
 
 def _stop_child(proc: subprocess.Popen[bytes]) -> int:
@@ -232,7 +261,10 @@ def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
             f"profiled {steps} steps ({sum(1 for s in trace.steps if s.complete and s.warmup)} warm-up)",
         )
     if kind == "interrupted" or outcome.interrupted:
-        return "interrupted", exitcodes.INTERRUPTED, f"interrupted (Ctrl-C) after {steps} complete steps"
+        message = f"interrupted (Ctrl-C) after {steps} complete steps"
+        if kind != "interrupted" and outcome.escalated == "SIGKILL":
+            message += f"; the script did not stop within {INTERRUPT_KILL_S:g} s and was killed"
+        return "interrupted", exitcodes.INTERRUPTED, message
     if kind == "config_error":
         return "config_error", exitcodes.USAGE_ERROR, f"the plan could not be applied: {last['message']}"
     if kind == "oom":
