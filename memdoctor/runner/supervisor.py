@@ -74,6 +74,7 @@ class _ChildOutcome:
 # keeps every step it had flushed: Ctrl-C must always end the run promptly and leave its outputs.
 INTERRUPT_FORWARD_S = 5.0
 INTERRUPT_KILL_S = 20.0
+TIMEOUT_GRACE_S = 15.0  # --timeout: the child gets a Ctrl-C, and this long to record before it is killed
 _POLL_S = 0.25
 
 
@@ -190,32 +191,24 @@ def _wait(proc: subprocess.Popen[bytes], timeout_s: float | None, outcome: _Chil
             # short waits: a Ctrl-C (on_sigint) only sets a flag, and this loop acts on it
             return proc.wait(timeout=_POLL_S)
         except subprocess.TimeoutExpired:
-            if deadline is not None and time.monotonic() >= deadline and not outcome.interrupted:
+            if outcome.interrupted_at is not None:  # --timeout does not override a Ctrl-C in progress
+                if time.monotonic() - outcome.interrupted_at >= INTERRUPT_FORWARD_S:
+                    return _stop_child(proc, INTERRUPT_KILL_S - INTERRUPT_FORWARD_S, outcome)
+            elif deadline is not None and time.monotonic() >= deadline:
                 outcome.timed_out = True
-                return _stop_child(proc)
-            _escalate(proc, outcome)
+                return _stop_child(proc, TIMEOUT_GRACE_S, outcome)
 
 
-def _escalate(proc: subprocess.Popen[bytes], outcome: _ChildOutcome) -> None:
-    """Make a child that outlives a Ctrl-C stop: its own SIGINT first, then SIGKILL."""
-    if outcome.interrupted_at is None:
-        return
-    since = time.monotonic() - outcome.interrupted_at
-    if since >= INTERRUPT_KILL_S and outcome.escalated != "SIGKILL":
-        outcome.escalated = "SIGKILL"
-        proc.kill()
-    elif since >= INTERRUPT_FORWARD_S and outcome.escalated is None:
-        outcome.escalated = "SIGINT"
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
-
-
-def _stop_child(proc: subprocess.Popen[bytes]) -> int:
-    """Ask the child to stop as Ctrl-C would (so it records what it has), then kill it."""
-    proc.send_signal(signal.SIGINT)
+def _stop_child(proc: subprocess.Popen[bytes], grace_s: float, outcome: _ChildOutcome) -> int:
+    """Ask the child to stop as Ctrl-C would (so it records what it has), then kill it after
+    ``grace_s``; ``outcome.escalated`` says how far it went."""
+    outcome.escalated = "SIGINT"
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
     try:
-        return proc.wait(timeout=15)
+        return proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
+        outcome.escalated = "SIGKILL"
         proc.kill()
         return proc.wait()
 
