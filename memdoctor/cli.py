@@ -358,7 +358,7 @@ def profile_command(ns: argparse.Namespace) -> int:
     result = supervisor.run_profile(request)
     try:
         print_summary(
-            result.summary, _load_quietly(result.trace_path), status=result.status, message=result.message
+            result.summary, _read_trace(result.trace_path), status=result.status, message=result.message
         )
     except Exception as exc:  # the files are written: a bug in this table must not change the exit code
         _say(f"internal error printing the summary: {type(exc).__name__}: {_one_line(exc)}; {_BUG_LINE}")
@@ -379,20 +379,15 @@ def reprofile_profile(
     (``memdoctor.runner.reprofile``), record the result in the first trace and re-render its report,
     summary and memdoctor.yaml, which now plan from the re-profile. (the result with the new summary,
     the files the re-profiles wrote); the exit code stays the first run's."""
-    from memdoctor.report import write_report
-    from memdoctor.runner.reprofile import RECORD_NAME, needed, reprofile, round_dir
-    from memdoctor.trace import save_trace
+    from memdoctor.runner.reprofile import RECORD_NAME, needed, reprofile
 
-    trace = _load_quietly(result.trace_path)
+    trace = _read_trace(result.trace_path)
     if trace is None or result.summary is None or not needed(trace, result):
         return result, []
     record = reprofile(trace, result.summary, request, run, _say, max_rounds=rounds)
-    trace.collected[RECORD_NAME] = record
-    save_trace(trace, result.trace_path)
-    paths = write_report(trace, request.out_dir)
+    paths = _record_and_render(trace, result.trace_path, RECORD_NAME, record, request.out_dir)
     summary = json.loads(paths["summary"].read_text(encoding="utf-8"))
-    folders = [round_dir(request.out_dir, r["round"]) for r in record["rounds"]]
-    files = [f / name for f in folders for name in ("trace.jsonl.gz", "summary.json", "report.html")]
+    files = _round_files(request.out_dir, record, ("trace.jsonl.gz", "summary.json", "report.html"))
     return replace(result, summary=summary), files
 
 
@@ -400,24 +395,32 @@ def verify_profile(request: Any, result: Any, rounds: int, run: Callable[[Any], 
     """``profile --verify``: verify the first run's plan (``memdoctor.runner.verify``), record the result
     in the first trace and re-render its report; the files the rounds wrote. The exit code stays the
     first run's: it says how the profiled script ended."""
-    from memdoctor.report import write_report
     from memdoctor.runner.verify import RECORD_NAME, VERIFIABLE_EXIT_CODES, verify
-    from memdoctor.trace import save_trace
 
-    trace = _load_quietly(result.trace_path)
+    trace = _read_trace(result.trace_path)
     if trace is None or result.summary is None or result.exit_code not in VERIFIABLE_EXIT_CODES:
         _say(f"verify: not verified: the profiled run ended with {result.status}; fix that first")
         return []
     record = verify(trace, result.summary, request, run, _say, max_rounds=rounds)
-    trace.collected[RECORD_NAME] = record
-    save_trace(trace, result.trace_path)  # atomic, like the report files below
-    write_report(trace, request.out_dir)
-    folders = [request.out_dir / r["trace"] for r in record["rounds"]]
-    return [
-        p.parent / name
-        for p in folders
-        for name in ("trace.jsonl.gz", "summary.json", "report.html", "memdoctor.yaml")
-    ]
+    _record_and_render(trace, result.trace_path, RECORD_NAME, record, request.out_dir)
+    names = ("trace.jsonl.gz", "summary.json", "report.html", "memdoctor.yaml")
+    return _round_files(request.out_dir, record, names)
+
+
+def _record_and_render(trace: Any, path: Path, name: str, record: dict[str, Any], out_dir: Path) -> Any:
+    """Write the run-wide ``record`` into the first run's trace (atomically) and re-render its report,
+    ``summary.json`` and memdoctor.yaml from it; their paths."""
+    from memdoctor.report import write_report
+    from memdoctor.trace import save_trace
+
+    trace.collected[name] = record
+    save_trace(trace, path)
+    return write_report(trace, out_dir)
+
+
+def _round_files(out_dir: Path, record: dict[str, Any], names: Sequence[str]) -> list[Path]:
+    """The files ``names`` in the folder of each round of ``record`` (its ``trace`` is relative)."""
+    return [(out_dir / r["trace"]).parent / name for r in record["rounds"] for name in names]
 
 
 _MEMDOCTOR_PROFILE_OPTIONS = (
@@ -476,14 +479,10 @@ def _warn_about_passed_options(ns: argparse.Namespace) -> None:
         )
 
 
-def _load_quietly(path: Path | None) -> Any:
-    """The written trace, for the terminal's layer table; ``None`` when it cannot be read."""
-    from memdoctor.trace import load_trace
+def _read_trace(path: Path | None) -> Any:
+    from memdoctor.trace import read_trace  # imported late: the CLI starts without the trace module
 
-    try:
-        return load_trace(path) if path is not None else None
-    except MemdoctorError:
-        return None
+    return read_trace(path)
 
 
 _EXECUTABLE_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xca\xfe\xba\xbe")

@@ -124,3 +124,10 @@ def display_path(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+def round_folder(out_dir: Path, stem: str, k: int) -> Path:
+    """The writable folder of round ``k`` of a loop of profiles inside the report folder ``out_dir``:
+    ``OUT/stem`` for round 1, ``OUT/stem-k`` after (``--verify``'s rounds, ``--reprofile``'s runs),
+    never over the first run's files."""
+    return ensure_writable(out_dir / (stem if k == 1 else f"{stem}-{k}"))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from memdoctor import tracecheck
-from memdoctor.errors import TraceError
+from memdoctor.errors import MemdoctorError, TraceError
 
 FORMAT_NAME = "memdoctor-trace"
 FORMAT_VERSION = 1
@@ -288,6 +288,15 @@ def _json_default(obj: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- reading
+
+
+def read_trace(path: str | os.PathLike[str] | None) -> Trace | None:
+    """The trace at ``path``; None when there is none or it cannot be read (for callers that say so
+    their own way: a run's summary table, a verify or re-profile round's record)."""
+    try:
+        return load_trace(path) if path is not None else None
+    except MemdoctorError:
+        return None
 
 
 def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:

@@ -15,29 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from memdoctor import exitcodes
 from memdoctor.analysis.plan import summary_target
 from memdoctor.config import PlanConfig
-from memdoctor.errors import MemdoctorError
-from memdoctor.outputs import ensure_writable
+from memdoctor.outputs import round_folder
 from memdoctor.plan.model import _batch_size
 from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
-from memdoctor.trace import Trace, load_trace
+from memdoctor.trace import Trace, read_trace
 
-__all__ = ["RECORD_NAME", "needed", "reprofile", "round_dir"]
+__all__ = ["RECORD_NAME", "needed", "reprofile"]
 
 Runner = Callable[[ProfileRequest], ProfileResult]
 Say = Callable[[str], None]
 SHOWN = 3  # unmeasured modules named on the terminal
-
-
-def round_dir(out_dir: Path, k: int) -> Path:
-    """Round 1 profiles into ``OUT/reprofile``, round k into ``OUT/reprofile-k``."""
-    return out_dir / ("reprofile" if k == 1 else f"reprofile-{k}")
 
 
 def needed(trace: Trace | None, result: ProfileResult) -> list[str]:
@@ -113,10 +106,10 @@ def _one(
     micro = batch // k if batch and batch % k == 0 else None
     size = f"{micro} of {batch}" if micro else f"1/{k} of the batch"
     say(f"reprofile {n}: profiling at micro-batch {size} (gradient accumulation {k}) ...")
-    out = ensure_writable(round_dir(request.out_dir, n))
+    out = round_folder(request.out_dir, "reprofile", n)
     config = PlanConfig(micro_batch=micro, accumulation_steps=k)
     result = run(dataclasses.replace(request, out_dir=out, steps=1, config=config.as_dict()))
-    trace = _load(result.trace_path)
+    trace = read_trace(result.trace_path)
     missing = unmeasured_modules(trace) if trace is not None else None
     w = None
     measured = result.exit_code in (exitcodes.OK, exitcodes.OUT_OF_MEMORY)  # not a script failure
@@ -140,10 +133,3 @@ def _one(
     )
     say(f"reprofile {n}: {verdict}")
     return r, w
-
-
-def _load(path: Path | None) -> Trace | None:
-    try:
-        return load_trace(path) if path is not None else None
-    except MemdoctorError:
-        return None

@@ -29,12 +29,11 @@ from memdoctor import exitcodes
 from memdoctor.analysis.plan import summary_target
 from memdoctor.analysis.verify import chosen_round
 from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
-from memdoctor.errors import MemdoctorError
-from memdoctor.outputs import ensure_writable
+from memdoctor.outputs import round_folder
 from memdoctor.plan.model import Workload, _batch_size, corrected_workload, workload
 from memdoctor.plan.planner import Target, compared_plan, make_plan, runner_up
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
-from memdoctor.trace import Trace, load_trace
+from memdoctor.trace import Trace, read_trace
 from memdoctor.units import format_bytes
 
 RECORD_NAME = "verify"
@@ -46,11 +45,6 @@ VERIFIABLE_EXIT_CODES = (exitcodes.OK, exitcodes.OUT_OF_MEMORY)
 
 Runner = Callable[[ProfileRequest], ProfileResult]
 Say = Callable[[str], None]
-
-
-def round_dir(out_dir: Path, k: int) -> Path:
-    """Round 1 profiles into ``OUT/verify``, round k into ``OUT/verify-k``."""
-    return out_dir / ("verify" if k == 1 else f"verify-{k}")
 
 
 def verify(
@@ -239,12 +233,12 @@ def run_round(
     target: Target,
 ) -> dict[str, Any]:
     """Profile with ``config`` applied into round ``k``'s folder; its record: predicted vs measured."""
-    out = ensure_writable(round_dir(request.out_dir, k))
+    out = round_folder(request.out_dir, "verify", k)
     result = run(dataclasses.replace(request, out_dir=out, config=config.as_dict()))
     from memdoctor.report.render import atomic_write  # the report layer's writer; imported late (matplotlib)
 
     atomic_write(out / CONFIG_FILENAME, dump_config(config))  # what this round applied, for the user
-    measured = measure(_load(result.trace_path), result.summary)
+    measured = measure(read_trace(result.trace_path), result.summary)
     outcome = _outcome(result, measured, target.budget_bytes)
     return {
         "round": k,
@@ -261,13 +255,6 @@ def run_round(
         "outcome": outcome,
         "fits": outcome == "fits",
     }
-
-
-def _load(path: Path | None) -> Trace | None:
-    try:
-        return load_trace(path) if path is not None else None
-    except MemdoctorError:
-        return None
 
 
 def measure(trace: Trace | None, summary: dict[str, Any] | None) -> dict[str, Any]:
