@@ -9,7 +9,7 @@ else the profiled GPU's memory less the CUDA context reserve; a CPU run without 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from memdoctor.analysis.compute import LOW_SHARE
 from memdoctor.analysis.data import PADDING_HIGH, PADDING_NOTABLE
@@ -54,13 +54,12 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
     plan = None
     if w is not None and target is not None:
         choice = verified_choice(trace)
-        correction, avoided = choice[0] if choice else 1.0, choice[1] if choice else None
-        pw = corrected_workload(w, correction) if correction > 1.0 else w
-        searched = target if choice is None or choice[3] is None else replace(target, margin=choice[3])
-        made = make_plan(pw, searched, order, avoid=avoided)
+        pw = corrected_workload(w, choice.correction) if choice.correction > 1.0 else w
+        searched = target if choice.margin is None else replace(target, margin=choice.margin)
+        made = make_plan(pw, searched, order, avoid=choice.avoided)
         plan = {**made.as_dict(), "alternatives": alternatives(pw, searched, made)}
-        if choice is not None:
-            plan["advice"].insert(0, _verified_advice(*choice[:3]))
+        if choice.round is not None:
+            plan["advice"].insert(0, _verified_advice(choice))
         reprofiled = reprofile_record(trace)
         if reprofiled is not None:
             plan["advice"].insert(0, reprofile_advice(reprofiled))
@@ -74,36 +73,45 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
     }
 
 
-def verified_choice(trace: Trace) -> tuple[float, str | None, int, float | None] | None:
-    """(correction, avoided family, round, margin) when ``profile --verify`` measured a plan other than
-    the first one into the plan: a re-plan that fitted (its memory predictions raised by
-    ``correction``), or a compared plan without ``avoided`` that measured faster (``chosen_round``),
-    searched with the safety ``margin`` it records. The plan of the report and of memdoctor.yaml is
-    then that round's: the same search, with the same factor, margin and family left out. None when
-    the first plan stands."""
+class Search(NamedTuple):
+    """How the report's plan is searched: the first plan's search (the defaults), or that of the verify
+    ``round`` whose config became the plan (``verified_choice``)."""
+
+    correction: float = 1.0  # memory predictions raised by this factor
+    avoided: str | None = None  # the lever family left out
+    round: int | None = None
+    margin: float | None = None  # the safety margin it was searched with (None: the default)
+
+
+def verified_choice(trace: Trace) -> Search:
+    """The search of the plan ``profile --verify`` measured into the plan, when it is not the first
+    one: a re-plan that fitted (its memory predictions raised by ``correction``), or a compared plan
+    without ``avoided`` that measured faster (``chosen_round``), searched with the safety ``margin`` it
+    records. The plan of the report and of memdoctor.yaml is then that round's: the same search, with
+    the same factor, margin and family left out. ``Search()`` when the first plan stands."""
     best = chosen_round(rounds(trace))
     if best is None:
-        return None
+        return Search()
     factor = float(best["correction"] or 1.0)
     avoided = best["avoided"]
     if factor <= 1.0 and not avoided:
-        return None
+        return Search()
     margin = best["margin"]
-    return factor, avoided, int(best["round"]), None if margin is None else float(margin)
+    return Search(factor, avoided, int(best["round"]), None if margin is None else float(margin))
 
 
-def _verified_advice(correction: float, avoided: str | None, round_no: int) -> str:
+def _verified_advice(choice: Search) -> str:
     parts = []
-    if correction > 1.0:
+    if choice.correction > 1.0:
         parts.append(
-            f"re-planned with memory predictions raised x{correction:.2f}: the first plan's verified run "
-            "needed more memory than predicted"
+            f"re-planned with memory predictions raised x{choice.correction:.2f}: the first plan's verified "
+            "run needed more memory than predicted"
         )
-    if avoided:
+    if choice.avoided:
         parts.append(
-            f"the best plan without {avoided} measured a shorter step than the first plan that fitted"
+            f"the best plan without {choice.avoided} measured a shorter step than the first plan that fitted"
         )
-    return f"the plan verify round {round_no} measured (Measured vs predicted): " + "; and ".join(parts)
+    return f"the plan verify round {choice.round} measured (Measured vs predicted): " + "; and ".join(parts)
 
 
 def summarize(trace: Trace, summary: dict[str, Any]) -> None:
