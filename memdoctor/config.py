@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from memdoctor.errors import ConfigError
+from memdoctor.units import first_names
 
 CONFIG_VERSION = 1
 CONFIG_FILENAME = "memdoctor.yaml"
@@ -313,9 +314,7 @@ def check_modules(config: PlanConfig, names: list[str] | set[str], model_class: 
     if missing:
         other = config.provenance.model_class
         hint = f" (the config was made for {other})" if other and model_class and other != model_class else ""
-        shown = ", ".join(repr(n) for n in missing[:3]) + (
-            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        )
+        shown = first_names([repr(n) for n in missing], 3)
         raise ConfigError(f"config names modules this model lacks: {shown}{hint}")
 
 

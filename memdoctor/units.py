@@ -1,8 +1,10 @@
-"""Byte sizes: parsing what users type (``8GiB``, ``7.5GB``, ``512M``) and formatting what we show."""
+"""Byte sizes: parsing what users type (``8GiB``, ``7.5GB``, ``512M``) and formatting what we show; and
+short listings of names (``first_names``)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from memdoctor.errors import UsageError
 
@@ -50,3 +52,9 @@ def format_bytes(n: float | int | None, precision: int = 2) -> str:
             return f"{sign}{value:.{precision}f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def first_names(texts: Sequence[str], limit: int, sep: str = ", ") -> str:
+    """The first ``limit`` of ``texts`` joined by ``sep``, then " and N more" for the rest."""
+    more = f" and {len(texts) - limit} more" if len(texts) > limit else ""
+    return sep.join(texts[:limit]) + more

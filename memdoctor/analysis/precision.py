@@ -17,6 +17,7 @@ from typing import Any
 from memdoctor.analysis import summary as an
 from memdoctor.report import plots_precision
 from memdoctor.trace import Trace
+from memdoctor.units import first_names
 
 NAME = "histograms"
 FP16_MAX = 65504.0
@@ -262,9 +263,8 @@ def activation_overflow(ev: Evidence) -> list[Finding]:
     bad = [e for e in ev.forward() if e.beyond_fp16]
     if not bad:
         return []
-    shown = "; ".join(_overflow_text(e) for e in bad[:5])
-    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    text = f"{len(bad)} layer output(s) exceed fp16's max 65504, first in model order: {shown}{more}"
+    shown = first_names([_overflow_text(e) for e in bad], 5, "; ")
+    text = f"{len(bad)} layer output(s) exceed fp16's max 65504, first in model order: {shown}"
     return [_finding("activation_overflow", "risk", bad, text)]
 
 
@@ -288,8 +288,7 @@ def gradient_underflow(ev: Evidence) -> list[Finding]:
 
 
 def _listing(shares: list[tuple[float, Entry]], limit: int = 5) -> str:
-    text = ", ".join(f"{e.name} ({_pct(share)})" for share, e in shares[:limit])
-    return text + (f" and {len(shares) - limit} more" if len(shares) > limit else "")
+    return first_names([f"{e.name} ({_pct(share)})" for share, e in shares], limit)
 
 
 def scaled_gradient_overflow(ev: Evidence) -> list[Finding]:

@@ -26,6 +26,7 @@ from typing import Any
 from memdoctor.analysis.summary import layer_table, peak_step
 from memdoctor.plan.model import Candidate, Padding, ParamHolder, Workload, measured_workload
 from memdoctor.trace import Trace
+from memdoctor.units import first_names
 
 RECORD_NAME = "reprofile"
 # Module types that hold weights even where the ledger counts none of their own (an LM head tied to the
@@ -150,7 +151,7 @@ def summary_record(trace: Trace) -> dict[str, Any] | None:
 def advice(found: dict[str, Any]) -> str:
     """The plan's first line about the re-profile (``found``: ``summary_record``'s)."""
     names = found["unmeasured_modules"]
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    shown = first_names(names, 3)
     died = f"the script as it is ran out of memory before its forward reached {shown or 'every module'}"
     if not found["planned_from_reprofile"]:
         return f"{died}; no re-profile measured them ({found['stopped']}): every prediction is a lower bound"

@@ -25,6 +25,7 @@ from memdoctor.plan.model import _batch_size
 from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
 from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
 from memdoctor.trace import Trace, read_trace
+from memdoctor.units import first_names
 
 __all__ = ["RECORD_NAME", "needed", "reprofile"]
 
@@ -66,7 +67,7 @@ def reprofile(
         "workload": None,
         "stopped": None,
     }
-    shown = ", ".join(missing[:SHOWN]) + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else "")
+    shown = first_names(missing, SHOWN)
     say(f"reprofile: the run died before its forward finished; never measured: {shown}")
     before = len(missing)
     for n in range(1, max_rounds + 1):

@@ -34,6 +34,7 @@ from memdoctor.runtime.offload import install_offload
 from memdoctor.runtime.padding import PaddingTrim
 from memdoctor.runtime.patching import Undo, wrap_forward
 from memdoctor.runtime.precision import LossScaling, autocast_forward
+from memdoctor.units import first_names
 
 Say = Callable[[str], None]
 _SHOWN_NAMES = 6
@@ -135,9 +136,8 @@ class Installation:
         if c.checkpoint and self.ours("checkpoint"):
             for name in c.checkpoint:
                 self._undo.append(checkpoint_module(root.get_submodule(name)))
-            shown = " ".join(c.checkpoint[:_SHOWN_NAMES])
-            more = f" and {len(c.checkpoint) - _SHOWN_NAMES} more" if len(c.checkpoint) > _SHOWN_NAMES else ""
-            self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}{more}")
+            shown = first_names(c.checkpoint, _SHOWN_NAMES, " ")
+            self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}")
             undo = no_kv_cache(root)
             if undo is not None:
                 self._undo.append(undo)
@@ -186,9 +186,7 @@ class Installation:
         if params is not None:
             resident = list(params.params.values())
             tied = params.tied()
-            shown = " ".join(c.offload_parameters[:_SHOWN_NAMES])
-            if len(c.offload_parameters) > _SHOWN_NAMES:
-                shown += f" and {len(c.offload_parameters) - _SHOWN_NAMES} more"
+            shown = first_names(c.offload_parameters, _SHOWN_NAMES, " ")
             notes = [f"tied {' '.join(tied)} offloaded with them"] if tied else []
             self.applied(
                 f"offload: the parameters of {len(c.offload_parameters)} module(s) of {cls} on the host "
