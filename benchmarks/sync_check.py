@@ -39,7 +39,7 @@ HOOKS |= {"on_forward_pre", "on_forward_post", "_root_call"}
 # Frames that say nothing about who made the call: the runner at the bottom of every stack, the
 # transfers collector's wrappers of Tensor.to/.item/torch.tensor (they pass the caller's own call
 # through: the caller above them decides), and the warning machinery at the top.
-SKIP = ("memdoctor/runner/", "memdoctor/capture/transfers.py", "/warnings.py", "sync_debug.py")
+SKIP = ("memdoctor/launch/", "memdoctor/capture/transfers.py", "/warnings.py", "sync_debug.py")
 
 
 def origin(stack: list[str]) -> tuple[str, str]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-
 from memdoctor.api import profile
 from memdoctor.config import PlanConfig, load_config
 from memdoctor.errors import ConfigError, MemdoctorError, TraceError, UsageError
 from memdoctor.trace import FORMAT_VERSION, Trace, load_trace
+from memdoctor.version import __version__
 
 __all__ = [
     "FORMAT_VERSION",
@@ -28,10 +27,10 @@ __all__ = [
 
 
 def apply(config: PlanConfig, model: Any, optimizer: Any = None, loader: Any = None) -> Any:
-    """Apply a ``memdoctor.yaml`` plan to ``model`` in code (see ``memdoctor.config_apply``).
+    """Apply a ``memdoctor.yaml`` plan to ``model`` in code (see ``memdoctor.levers.apply``).
 
     Imported on first use, so ``import memdoctor`` (and the command line) does not load torch.
     """
-    from memdoctor.config_apply import apply as _apply
+    from memdoctor.levers.apply import apply as _apply
 
     return _apply(config, model, optimizer, loader)

@@ -76,9 +76,9 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
     def __enter__(self) -> profile:
         from memdoctor.capture.session import ProfileSession
         from memdoctor.device import default_device
+        from memdoctor.launch.profile_child import start_run
+        from memdoctor.launch.supervisor import redact_argv
         from memdoctor.outputs import profile_output_dir
-        from memdoctor.runner.child import start_run
-        from memdoctor.runner.supervisor import redact_argv
         from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, TraceWriter
 
         self._t0 = time.monotonic()
@@ -116,7 +116,7 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         return self
 
     def _reached_steps(self) -> None:
-        from memdoctor.runner.child import _event
+        from memdoctor.launch.profile_child import _event
 
         self._session.stop()
         n = self._session.steps_recorded
@@ -125,7 +125,7 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        from memdoctor.runner.child import _close, _event, _is_oom, _one_line
+        from memdoctor.launch.profile_child import _close, _event, _is_oom, _one_line
 
         session, writer = self._session, self._writer
         try:

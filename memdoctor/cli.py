@@ -18,10 +18,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memdoctor import __version__, exitcodes
+from memdoctor import exitcodes
 from memdoctor.errors import MemdoctorError, OutputError, ScriptError, UsageError
 from memdoctor.outputs import display_path, profile_output_dir, report_output_dir
 from memdoctor.units import format_bytes, parse_size
+from memdoctor.version import __version__
 
 PROG = "memdoctor"
 _BUG_LINE = "this is a bug in memdoctor; please report it with the trace"
@@ -337,7 +338,7 @@ def profile_command(ns: argparse.Namespace) -> int:
     out = profile_output_dir(ns.output, force=ns.force)
     if out.note:
         _say(out.note)
-    supervisor = importlib.import_module("memdoctor.runner.supervisor")
+    supervisor = importlib.import_module("memdoctor.launch.supervisor")
     request = supervisor.ProfileRequest(
         script=None if ns.module is not None else ns.script,
         module=ns.module,
@@ -350,7 +351,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         time_depth=ns.time_depth,
         detail=ns.detail,
         collect=ns.collect,
-        progress=importlib.import_module("memdoctor.runner.progress").wanted(),
+        progress=importlib.import_module("memdoctor.launch.progress").wanted(),
         config=None if ns.config is None else _config_mapping(ns.config),
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
@@ -376,10 +377,10 @@ def reprofile_profile(
     request: Any, result: Any, rounds: int, run: Callable[[Any], Any]
 ) -> tuple[Any, list[Path]]:
     """When the run died of OOM before its forward finished: re-profile at smaller micro-batches
-    (``memdoctor.runner.reprofile``), record the result in the first trace and re-render its report,
+    (``memdoctor.launch.reprofile``), record the result in the first trace and re-render its report,
     summary and memdoctor.yaml, which now plan from the re-profile. (the result with the new summary,
     the files the re-profiles wrote); the exit code stays the first run's."""
-    from memdoctor.runner.reprofile import RECORD_NAME, needed, reprofile
+    from memdoctor.launch.reprofile import RECORD_NAME, needed, reprofile
 
     trace = _read_trace(result.trace_path)
     if trace is None or result.summary is None or not needed(trace, result):
@@ -392,10 +393,10 @@ def reprofile_profile(
 
 
 def verify_profile(request: Any, result: Any, rounds: int, run: Callable[[Any], Any]) -> list[Path]:
-    """``profile --verify``: verify the first run's plan (``memdoctor.runner.verify``), record the result
+    """``profile --verify``: verify the first run's plan (``memdoctor.launch.verify``), record the result
     in the first trace and re-render its report; the files the rounds wrote. The exit code stays the
     first run's: it says how the profiled script ended."""
-    from memdoctor.runner.verify import RECORD_NAME, VERIFIABLE_EXIT_CODES, verify
+    from memdoctor.launch.verify import RECORD_NAME, VERIFIABLE_EXIT_CODES, verify
 
     trace = _read_trace(result.trace_path)
     if trace is None or result.summary is None or result.exit_code not in VERIFIABLE_EXIT_CODES:
@@ -571,7 +572,7 @@ def run_command(ns: argparse.Namespace) -> int:
 
     config = load_config(ns.config)
     _check_target(ns, "run")
-    launch = importlib.import_module("memdoctor.runtime.launch")
+    launch = importlib.import_module("memdoctor.launch.run")
     _say(launch.describe(config, ns.config))
     return int(launch.run_script(config, None if ns.module else ns.script, ns.module, list(ns.script_args)))
 
@@ -671,10 +672,10 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
 def plan_command(ns: argparse.Namespace) -> int:
     import json
 
-    from memdoctor.analysis.plan import doctor, summary_target
     from memdoctor.analysis.summary import build_summary
-    from memdoctor.plan.cards import find_card
+    from memdoctor.cards import find_card
     from memdoctor.plan.planner import Target, card_table
+    from memdoctor.plan.summarize import doctor, summary_target
     from memdoctor.trace import TRACE_FILENAME, load_trace
 
     path: Path = ns.trace

@@ -213,8 +213,8 @@ def _signed_bytes(row: dict[str, Any]) -> str:
 
 def render_diff_html(data: dict[str, Any]) -> str:
     """``diff.html``: the same base template (and Content-Security-Policy) as the report."""
-    import memdoctor
     from memdoctor.report.render import environment
+    from memdoctor.version import __version__
 
     env = environment()
     template = env.get_template("diff.html.j2")
@@ -222,5 +222,5 @@ def render_diff_html(data: dict[str, Any]) -> str:
         diff=data,
         fmt=format_value,
         fmt_delta=format_delta,
-        memdoctor_version=memdoctor.__version__,
+        memdoctor_version=__version__,
     )

@@ -86,7 +86,7 @@ _PATCHABLE = (
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
     ("torch.utils.data.dataloader", "DataLoader"),
     ("torch.amp.grad_scaler", "GradScaler"),
-    # memdoctor run's framework patches (memdoctor/runtime/frameworks.py)
+    # memdoctor run's framework patches (memdoctor/levers/frameworks.py)
     ("transformers.training_args", "TrainingArguments"),
     ("transformers.trainer", "Trainer"),
     ("lightning.pytorch.trainer.trainer", "Trainer"),
@@ -95,7 +95,7 @@ _PATCHABLE = (
     ("pytorch_lightning.trainer.connectors.data_connector", "_DataConnector"),
     ("torch.optim.optimizer", "Optimizer"),  # memdoctor run: the model is found at optimizer construction
 )
-# Module functions memdoctor run replaces (memdoctor.runtime): (module, function).
+# Module functions memdoctor run replaces (memdoctor.levers): (module, function).
 _MODULE_FUNCTIONS = (
     ("torch.autograd", "backward"),
     ("torch.nn.utils", "clip_grad_norm_"),

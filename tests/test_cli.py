@@ -60,7 +60,7 @@ class FakeResult:
 
 
 class FakeSupervisor:
-    """Stands in for ``memdoctor.runner.supervisor.run_profile``: records the request, writes 3 files."""
+    """Stands in for ``memdoctor.launch.supervisor.run_profile``: records the request, writes 3 files."""
 
     def __init__(self) -> None:
         self.requests: list[Any] = []
@@ -88,11 +88,11 @@ def supervisor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeSuperviso
     """A fake ``run_profile`` (the real ``ProfileRequest`` when the supervisor module exists); cwd = tmp."""
     fake = FakeSupervisor()
     try:
-        module = importlib.import_module("memdoctor.runner.supervisor")
+        module = importlib.import_module("memdoctor.launch.supervisor")
     except ImportError:
-        module = types.ModuleType("memdoctor.runner.supervisor")
+        module = types.ModuleType("memdoctor.launch.supervisor")
         module.ProfileRequest = FakeRequest  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "memdoctor.runner.supervisor", module)
+        monkeypatch.setitem(sys.modules, "memdoctor.launch.supervisor", module)
     monkeypatch.setattr(module, "run_profile", fake, raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('training')\n")

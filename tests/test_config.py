@@ -11,7 +11,6 @@ from torch import nn
 
 import memdoctor
 from memdoctor.config import (
-    ConfigError,
     DataLoaderSettings,
     GradScalerSettings,
     PlanConfig,
@@ -21,14 +20,15 @@ from memdoctor.config import (
     load_config,
     parse_config,
 )
-from memdoctor.config_apply import not_applicable, split_batch
-from memdoctor.config_export import (
+from memdoctor.config.export import (
     accelerate_kwargs,
     hf_training_arguments,
     lightning_trainer_kwargs,
     not_expressed,
     plain_loop_snippet,
 )
+from memdoctor.errors import ConfigError
+from memdoctor.levers.apply import not_applicable, split_batch
 
 
 class Tiny(nn.Module):
@@ -204,7 +204,7 @@ def test_checkpointing_keeps_gradients_and_is_reversible() -> None:
 
     torch.utils.checkpoint.checkpoint = spy  # type: ignore[assignment]
     try:
-        import memdoctor.config_apply as ca
+        import memdoctor.levers.apply as ca
 
         saved, ca.torch_checkpoint = ca.torch_checkpoint, spy  # type: ignore[assignment]
         got = _one_step(chk, x, y)
@@ -358,7 +358,7 @@ def test_the_report_shows_the_config_and_says_when_there_is_none(tmp_path: Path)
     ].read_text()
     assert '<h2 id="config">Apply the plan</h2>' in html
     assert "memdoctor_config: 1" in html and "gradient_accumulation_steps" in html
-    from memdoctor.analysis.config import report_section
+    from memdoctor.report.exports import report_section
     from memdoctor.report.render import environment
 
     assert report_section(load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"), {"plan": None}) is None

@@ -9,7 +9,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memdoctor.config import ConfigError, PlanConfig, dump_config, parse_config
+from memdoctor.config import PlanConfig, dump_config, parse_config
+from memdoctor.errors import ConfigError
 
 pytestmark = pytest.mark.fuzz
 

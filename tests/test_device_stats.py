@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import memdoctor.device as dev_mod
+import memdoctor.device.devices as dev_mod
 
 NESTED = {
     "allocated_bytes": {"all": {"current": 5, "peak": 9}},

@@ -553,7 +553,7 @@ def test_ctrl_c_always_ends_the_run_promptly(
 ) -> None:
     """A Ctrl-C the child never sees (``kill -INT`` of memdoctor alone) is forwarded to it; a child
     that still runs on is killed; either way the run ends as interrupted, with its finished steps."""
-    from memdoctor.runner import supervisor
+    from memdoctor.launch import supervisor
 
     monkeypatch.setattr(supervisor, "INTERRUPT_FORWARD_S", 0.5)
     monkeypatch.setattr(supervisor, "INTERRUPT_KILL_S", 2.0)

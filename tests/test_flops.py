@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from tracebuilder import TraceBuilder, tiny_mlp
 
-from memdoctor.analysis import build_summary, compute
+from memdoctor.analysis import build_summary
+from memdoctor.analysis import flops as compute
 from memdoctor.capture.flops import FlopCollector, measured_step
 from memdoctor.capture.session import ProfileSession
 from memdoctor.report import render_report

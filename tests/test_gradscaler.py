@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memdoctor
-from memdoctor.analysis import precision
+from memdoctor.analysis import histograms as precision
 from memdoctor.analysis.summary import build_summary
 from memdoctor.trace import load_trace
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tracebuilder import TraceBuilder, tiny_mlp, trace_from_records
 
-from memdoctor.analysis import precision as pr
+from memdoctor.analysis import histograms as pr
 from memdoctor.analysis import summary as an
 from memdoctor.capture import histograms as hist
 from memdoctor.capture.session import ProfileSession

@@ -1,6 +1,6 @@
 """The ledger under offload: the categories count only tensors on the profiled device.
 
-memdoctor's offload (memdoctor/runtime/offload.py) keeps the optimizer's state on the host, steps the
+memdoctor's offload (memdoctor/levers/offload.py) keeps the optimizer's state on the host, steps the
 optimizer on host copies swapped into ``p.data`` / ``p.grad`` (the profiler's optimizer hooks run inside
 that swapped step), and keeps chosen modules' parameters and their gradients on the host for good. None
 of those host tensors is in the GPU allocator, so none may be in ``parameters``, ``gradients`` or
@@ -27,7 +27,7 @@ from torch import nn
 from memdoctor.capture.discovery import storage_key
 from memdoctor.capture.session import ProfileSession, resident_check
 from memdoctor.device import CudaDevice, Device, FakeDevice
-from memdoctor.runtime.offload import OptimizerOffload, ParameterOffload
+from memdoctor.levers.offload import OptimizerOffload, ParameterOffload
 from memdoctor.trace import StepRecord
 
 DEVICE = torch.device(os.environ.get("MEMDOCTOR_TEST_DEVICE", "cpu"))  # where the model runs

@@ -1,4 +1,4 @@
-"""Offload (memdoctor/runtime/offload.py): optimizer state and chosen modules' parameters on the host.
+"""Offload (memdoctor/levers/offload.py): optimizer state and chosen modules' parameters on the host.
 
 On a CPU-only machine the host and the execution device are the same device, so these tests check the
 mechanics that do not depend on a GPU: the swap to the host buffers and back (separate storages, the
@@ -25,9 +25,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import memdoctor
-from memdoctor.config import _from_mapping
+from memdoctor.config.file import _from_mapping
 from memdoctor.errors import ConfigError
-from memdoctor.runtime.offload import OptimizerOffload, ParameterOffload
+from memdoctor.levers.offload import OptimizerOffload, ParameterOffload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_run import PLAIN, memdoctor_cli, run_script

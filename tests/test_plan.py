@@ -11,10 +11,10 @@ import pytest
 
 from memdoctor import exitcodes
 from memdoctor.analysis.summary import build_summary
+from memdoctor.cards import CARDS, CONTEXT_RESERVE_BYTES, find_card
 from memdoctor.cli import main
 from memdoctor.errors import UsageError
 from memdoctor.plan import model as M
-from memdoctor.plan.cards import CARDS, CONTEXT_RESERVE_BYTES, find_card
 from memdoctor.plan.model import (
     CHECKPOINT_GRADIENT_SHARE,
     CHECKPOINT_RESERVED_RATIO,

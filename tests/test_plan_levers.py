@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from memdoctor.analysis.summary import build_summary
+from memdoctor.cards import CARDS, find_card
 from memdoctor.config import config_for_summary
 from memdoctor.plan import model as M
 from memdoctor.plan import rules as R
-from memdoctor.plan.cards import CARDS, find_card
 from memdoctor.plan.model import Config, Padding, ParamHolder, predict, workload
 from memdoctor.plan.ninegrid import lever_priority
 from memdoctor.plan.planner import (

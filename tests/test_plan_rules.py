@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from memdoctor.analysis.summary import build_summary, peak_step
+from memdoctor.cards import find_card
 from memdoctor.plan import rules as R
-from memdoctor.plan.cards import find_card
 from memdoctor.plan.model import workload
 from memdoctor.plan.planner import Target
 from memdoctor.trace import Trace

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from memdoctor.runner import progress
-from memdoctor.runner.progress import Counts, ProgressFollower, StepCounter
+from memdoctor.launch import progress
+from memdoctor.launch.progress import Counts, ProgressFollower, StepCounter
 from memdoctor.trace import TraceWriter, make_header
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from memdoctor.analysis import plan as plan_section
 from memdoctor.analysis.heatmap import COLUMNS, MAX_ROWS, heatmap, why_not
 from memdoctor.analysis.summary import build_summary, layer_table, peak_step, timeline_series
+from memdoctor.plan import summarize as plan_section
 from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
 from memdoctor.report import plots, plots_heatmap, plots_plan
 from memdoctor.report.render import report_context

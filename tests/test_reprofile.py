@@ -13,6 +13,8 @@ import pytest
 from memdoctor import exitcodes
 from memdoctor.analysis.summary import build_summary
 from memdoctor.cli import main, parse_args, reprofile_profile
+from memdoctor.launch.reprofile import needed, reprofile
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.plan.model import Config, measured_workload, workload
 from memdoctor.plan.planner import Target, known_oom, make_plan
 from memdoctor.plan.reprofiled import (
@@ -23,8 +25,6 @@ from memdoctor.plan.reprofiled import (
     reprofiled_workload,
     unmeasured_modules,
 )
-from memdoctor.runner.reprofile import needed, reprofile
-from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
 from memdoctor.trace import Trace, load_trace, save_trace
 
 GiB = 1024**3

@@ -24,11 +24,11 @@ import torch
 
 from memdoctor.cli import main
 from memdoctor.errors import ConfigError
-from memdoctor.runtime import FrameworkPatch
-from memdoctor.runtime import install as install_module
-from memdoctor.runtime.install import Installation, install
-from memdoctor.runtime.loader import LoaderSettings
-from memdoctor.runtime.padding import PaddingTrim
+from memdoctor.levers import FrameworkPatch
+from memdoctor.levers import install as install_module
+from memdoctor.levers.install import Installation, install
+from memdoctor.levers.loader import LoaderSettings
+from memdoctor.levers.padding import PaddingTrim
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PLAIN = SCRIPTS / "run_plain.py"

@@ -1,4 +1,4 @@
-"""``memdoctor.runtime.frameworks``: the plan through the HF Trainer's and Lightning's own arguments.
+"""``memdoctor.levers.frameworks``: the plan through the HF Trainer's and Lightning's own arguments.
 
 The tiny training scripts (tests/scripts/fw_*.py) are run as-is and under ``patch_frameworks``; they dump
 what the Trainer actually used (its arguments, the micro-batch sizes the model saw, the optimizer-step
@@ -26,8 +26,8 @@ import transformers.training_args as hf_args
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from memdoctor.config import DataLoaderSettings, PlanConfig
-from memdoctor.runtime import FrameworkPatch, frameworks
-from memdoctor.runtime.frameworks import MicroBatchSampler, _lightning_kwargs, _State, patch_frameworks
+from memdoctor.levers import FrameworkPatch, frameworks
+from memdoctor.levers.frameworks import MicroBatchSampler, _lightning_kwargs, _State, patch_frameworks
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parent.parent
@@ -264,7 +264,7 @@ def test_patches_apply_on_import_and_cost_nothing_before(tmp_path: Path) -> None
     code = f"""
 import runpy, sys
 from memdoctor.config import PlanConfig
-from memdoctor.runtime.frameworks import patch_frameworks
+from memdoctor.levers.frameworks import patch_frameworks
 patch = patch_frameworks(PlanConfig(accumulation_steps=2), announce=lambda line: None)
 assert not any(m.split('.')[0] in ('transformers', 'lightning', 'pytorch_lightning') for m in sys.modules)
 sys.argv = [{str(SCRIPTS / "fw_hf_trainer.py")!r}, {str(out)!r}]

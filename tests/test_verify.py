@@ -13,13 +13,11 @@ from tracebuilder import TraceBuilder, completed_trace, tiny_mlp
 
 from memdoctor import exitcodes
 from memdoctor.analysis.summary import build_summary
-from memdoctor.analysis.verify import report_section, verified
+from memdoctor.analysis.verified import report_section, verified
 from memdoctor.cli import main, parse_args
 from memdoctor.config import config_for_summary, load_config
-from memdoctor.plan.model import corrected_workload
-from memdoctor.report.render import render_report
-from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
-from memdoctor.runner.verify import (
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
+from memdoctor.launch.verify import (
     OOM_FLOOR,
     RECORD_NAME,
     error_factor,
@@ -27,6 +25,8 @@ from memdoctor.runner.verify import (
     nothing_to_verify,
     verify,
 )
+from memdoctor.plan.model import corrected_workload
+from memdoctor.report.render import render_report
 from memdoctor.trace import Trace, load_trace, save_trace
 
 GiB = 1024**3

@@ -23,13 +23,13 @@ from memdoctor.trace import Trace
 # section name -> analysis module, in report order.
 SECTIONS: dict[str, str] = {
     "devicefacts": "memdoctor.analysis.devicefacts",
-    "compute": "memdoctor.analysis.compute",
+    "compute": "memdoctor.analysis.flops",
     "data": "memdoctor.analysis.data",
     "transfers": "memdoctor.analysis.transfers",
-    "precision": "memdoctor.analysis.precision",
-    "plan": "memdoctor.analysis.plan",  # after the measuring sections: it reads their summary keys
-    "config": "memdoctor.analysis.config",  # the plan as memdoctor.yaml and its exports
-    "verify": "memdoctor.analysis.verify",  # profile --verify: the plan applied and measured
+    "precision": "memdoctor.analysis.histograms",
+    "plan": "memdoctor.plan.summarize",  # after the measuring sections: it reads their summary keys
+    "config": "memdoctor.report.exports",  # the plan as memdoctor.yaml and its exports
+    "verify": "memdoctor.analysis.verified",  # profile --verify: the plan applied and measured
 }
 
 

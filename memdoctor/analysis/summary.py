@@ -14,10 +14,10 @@ import math
 import statistics
 from typing import Any
 
-import memdoctor
 from memdoctor.analysis import sections
 from memdoctor.trace import CATEGORIES, PHASES, ModelInfo, StepRecord, Trace
 from memdoctor.units import format_bytes
+from memdoctor.version import __version__
 
 SUMMARY_FORMAT_VERSION = 1
 ACCOUNTED = ("parameters", "gradients", "optimizer_state", "activations")
@@ -50,7 +50,7 @@ def build_summary(trace: Trace) -> dict[str, Any]:
     step = peak_step(trace)
     summary: dict[str, Any] = {
         "format_version": SUMMARY_FORMAT_VERSION,
-        "memdoctor_version": memdoctor.__version__,
+        "memdoctor_version": __version__,
         "trace_memdoctor_version": trace.header.get("memdoctor_version"),
         "status": (trace.end or {}).get("status", "unknown"),
         "device": device_info(trace),

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from memdoctor import nvml
 from memdoctor.capture.collectors import Collector
-from memdoctor.device import Device
+from memdoctor.device import Device, nvml
 
 BANDWIDTH_BYTES = 64 * 2**20
 BANDWIDTH_REPEATS = 3

@@ -528,7 +528,7 @@ class ProfileSession:
         """(storage address, bytes) of ``p``'s gradient on the profiled device; (None, 0) without one.
 
         A parameter that lives on the device but whose data is on the host now is being stepped on the
-        host (``memdoctor.runtime.offload.OptimizerOffload`` swaps ``p.data`` and ``p.grad`` to host
+        host (``memdoctor.levers.offload.OptimizerOffload`` swaps ``p.data`` and ``p.grad`` to host
         copies for the optimizer's own step): its device gradient is still allocated, held by the
         swap, as large as the host copy that stands in for it; its address is the one the gradient hook
         saw in backward (None on steps without that hook)."""

@@ -40,9 +40,8 @@ from typing import Any
 
 import torch
 
-from memdoctor import nvml
 from memdoctor.capture.collectors import Collector, CollectorUnavailable
-from memdoctor.device import Device
+from memdoctor.device import Device, nvml
 
 COPY_CAP = 256  # copies listed one by one per step; the rest are aggregated
 TIMED_CAP = 64  # non-blocking copies per step that get a device-marker pair

@@ -1001,7 +1001,7 @@ def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tup
     time; it shrinks by the datasheet 16-bit / fp32 peak ratio of the target card (else the profiled
     GPU), at ``AMP_TENSOR_EFFICIENCY`` of the 16-bit peak; the rest runs in ``AMP_OTHER_TIME_FACTOR``
     of its time. Without a FLOP count or a known device: the flat factor by compute class."""
-    from memdoctor.analysis.compute import device_peaks  # the datasheet table lives with the roofline
+    from memdoctor.analysis.flops import device_peaks  # the datasheet table lives with the roofline
 
     found = device_peaks(card or w.device_name)
     dtype = "bfloat16" if precision == "bf16" else "float16"

@@ -1,7 +1,7 @@
 """The nine-grid: where the workload sits on three axes, each low / medium / high, with the raw figures.
 
 * compute intensity: the ``compute`` section's measured class (arithmetic intensity against the device's
-  ridge point; see ``memdoctor.analysis.compute``);
+  ridge point; see ``memdoctor.analysis.flops``);
 * parameter scale: model state (parameters + gradients + optimizer state) as a share of the budget:
   low below ``STATE_LOW`` (25%), high at ``STATE_HIGH`` (60%) or more: at that point activations have
   little room left and state-side levers (8-bit optimizer, offload) matter more than checkpointing;

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memdoctor.analysis.summary import repeated_blocks
-from memdoctor.plan.cards import CARDS, Card
+from memdoctor.cards import CARDS, Card
 from memdoctor.plan.model import (
     PAD_MULTIPLE,
     Candidate,

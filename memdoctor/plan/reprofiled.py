@@ -8,7 +8,7 @@ its plan, made without the head, ran out of memory, and ``--verify``'s correctio
 peak) did not reach a plan that fits in three rounds (BENCHMARKS.md, "GPT-2 small with the HF Trainer").
 
 So ``memdoctor profile`` re-profiles such a run with only gradient accumulation applied (the batch split
-into ``k`` micro-batches, ``memdoctor.runner.reprofile``), halving the micro-batch until a run measures
+into ``k`` micro-batches, ``memdoctor.launch.reprofile``), halving the micro-batch until a run measures
 every module, and records that run's ``Workload``, scaled back to the full batch, in the first trace
 (the run-wide record ``reprofile``). ``workload()`` then plans from it. What scales with the
 micro-batch is multiplied by ``k``: the activations at the peak, the temporaries, what each

@@ -20,7 +20,7 @@ LEVELS = ("low", "medium", "high")
 HIT = "#e15759"
 CELL = "#f1f1f4"
 UNKNOWN = "#f6d5d6"
-# Tick labels: the level and its threshold (memdoctor.analysis.compute.LOW_SHARE,
+# Tick labels: the level and its threshold (memdoctor.analysis.flops.LOW_SHARE,
 # memdoctor.plan.ninegrid.STATE_LOW/STATE_HIGH, memdoctor.analysis.data.PADDING_NOTABLE/PADDING_HIGH).
 COMPUTE_TICKS = ("low\n< ¼ ridge point", "medium\n¼ ridge – ridge", "high\n≥ ridge point")
 STATE_TICKS = ("low\n< 25% of budget", "medium\n25–60%", "high\n≥ 60%")

@@ -19,7 +19,6 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-import memdoctor
 from memdoctor.analysis import heatmap as layer_time
 from memdoctor.analysis import nvtx as nvtx_note
 from memdoctor.analysis import sections
@@ -29,6 +28,7 @@ from memdoctor.errors import OutputError
 from memdoctor.report import plots, plots_heatmap
 from memdoctor.trace import CATEGORIES, PHASES, Trace
 from memdoctor.units import format_bytes
+from memdoctor.version import __version__
 
 REPORT_FILENAME = "report.html"
 SUMMARY_FILENAME = "summary.json"
@@ -37,8 +37,9 @@ TEMPLATE = "report.html.j2"
 
 def template_dir() -> Path:
     """``memdoctor/templates`` in an installed wheel, else the repository's top-level ``templates/``."""
-    installed = Path(memdoctor.__file__).parent / "templates"
-    return installed if installed.is_dir() else Path(memdoctor.__file__).parent.parent / "templates"
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "templates"
+    return installed if installed.is_dir() else package.parent / "templates"
 
 
 @functools.cache
@@ -159,7 +160,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "nvtx": nvtx_note.report_note(trace),
         "events": _event_rows(trace, summary),
         "colors": plots.COLORS,
-        "memdoctor_version": memdoctor.__version__,
+        "memdoctor_version": __version__,
     }
 
 

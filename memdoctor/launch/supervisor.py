@@ -23,7 +23,7 @@ from typing import Any
 from memdoctor import exitcodes
 from memdoctor.capture.collectors import parse_names
 from memdoctor.errors import TraceError
-from memdoctor.runner.child import ENV_VAR
+from memdoctor.launch.profile_child import ENV_VAR
 from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, Trace, load_trace, make_header, save_trace
 
 
@@ -114,7 +114,7 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
 
 
 def child_command() -> list[str]:
-    return [sys.executable, "-m", "memdoctor.runner.child"]
+    return [sys.executable, "-m", "memdoctor.launch.profile_child"]
 
 
 def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
@@ -173,11 +173,11 @@ def _run_child(req: ProfileRequest, partial: Path) -> _ChildOutcome:
 
 @contextlib.contextmanager
 def _progress(req: ProfileRequest, partial: Path) -> Iterator[None]:
-    """Show "step k/N" while the child runs, following its partial trace (``memdoctor.runner.progress``)."""
+    """Show "step k/N" while the child runs, following its partial trace (``memdoctor.launch.progress``)."""
     if not req.progress:
         yield
         return
-    from memdoctor.runner.progress import ProgressFollower, TerminalBar
+    from memdoctor.launch.progress import ProgressFollower, TerminalBar
 
     with TerminalBar(req.warmup, req.steps) as bar, ProgressFollower(partial, bar.update):
         yield
@@ -360,6 +360,6 @@ def _read_json(path: Path | None) -> dict[str, Any] | None:
 
 
 def _version() -> str:
-    from memdoctor import __version__
+    from memdoctor.version import __version__
 
     return __version__

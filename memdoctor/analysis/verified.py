@@ -1,6 +1,6 @@
 """The "Measured vs predicted" section: what ``memdoctor profile --verify`` measured against the plan.
 
-``--verify`` (``memdoctor.runner.verify``) writes a run-wide ``collector`` record named ``verify`` into
+``--verify`` (``memdoctor.launch.verify``) writes a run-wide ``collector`` record named ``verify`` into
 the first run's trace: one entry per verified round (the config applied, its predicted and measured
 peak and step time). ``summarize`` turns the last round into ``summary.json``'s ``verified`` (null when
 the run was not verified); ``report_section`` gives the table and the bar chart. Pure data: no torch.
@@ -12,7 +12,7 @@ from typing import Any
 
 from memdoctor.trace import Trace
 
-RECORD_NAME = "verify"  # memdoctor.runner.verify.RECORD_NAME (not imported: that module runs profiles)
+RECORD_NAME = "verify"  # memdoctor.launch.verify.RECORD_NAME (not imported: that module runs profiles)
 APPLIED_NOTE = (
     "this run was profiled with a memdoctor.yaml applied (the header's applied_config): it is itself the "
     "run that verifies a plan, and the comparison is in the report of the run that made the plan"
@@ -45,7 +45,7 @@ _NUMBERS = tuple(
     if k.endswith(("_bytes", "_ratio", "_ms")) or k in ("round", "correction", "margin")
 )
 # A compared round (``avoided`` set: the best plan without the first plan's micro-batching or
-# checkpointing, ``memdoctor.runner.verify``) becomes the plan when its measured step time is at least
+# checkpointing, ``memdoctor.launch.verify``) becomes the plan when its measured step time is at least
 # this much shorter; less is within the run-to-run noise of short runs (BENCHMARKS.md).
 COMPARED_MIN_GAIN = 0.03
 

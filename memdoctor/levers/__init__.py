@@ -1,9 +1,9 @@
 """Applying a ``memdoctor.yaml`` to an unmodified training script, at runtime (``memdoctor run``).
 
-``memdoctor.runtime.install.install(config)`` patches this process so that the script, when it runs,
-trains with the plan: each part is an installer with an undo (``memdoctor/runtime/*.py``), and the
+``memdoctor.levers.install.install(config)`` patches this process so that the script, when it runs,
+trains with the plan: each part is an installer with an undo (``memdoctor/levers/*.py``), and the
 model, its optimizer and its batches are found as the script creates and uses them
-(``memdoctor.runtime.discovery``). How each part is applied, and its limits: docs/config.md, "How
+(``memdoctor.levers.targets``). How each part is applied, and its limits: docs/config.md, "How
 memdoctor run applies each part". This ``__init__`` imports no torch, so ``memdoctor run``'s parent
 process starts fast.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class FrameworkPatch:
-    """What ``memdoctor.runtime.frameworks.patch_frameworks(config)`` applied through a framework's own
+    """What ``memdoctor.levers.frameworks.patch_frameworks(config)`` applied through a framework's own
     arguments (HF ``TrainingArguments``, Lightning ``Trainer``).
 
     ``handled`` names the config parts the framework path took over ("checkpoint", "precision",

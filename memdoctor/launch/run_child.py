@@ -1,7 +1,7 @@
 """The ``memdoctor run`` child: the user's script, run to its end as ``python SCRIPT ARGS`` would, with
-the plan installed first (``memdoctor.runtime.install``).
+the plan installed first (``memdoctor.levers.install``).
 
-Started by ``memdoctor run`` as ``python -m memdoctor.runtime.child`` with its settings in the
+Started by ``memdoctor run`` as ``python -m memdoctor.launch.run_child`` with its settings in the
 environment variable ``MEMDOCTOR_RUN`` (removed before the script runs; the allocator setting is
 already in the environment, so CUDA reads it when it starts). Its exit code is the script's; a plan
 part that cannot be applied prints one line and exits 2 at once, before the step it would have
@@ -16,7 +16,7 @@ import runpy
 import sys
 import traceback
 
-from memdoctor.runner.child import _exit_code, _prepare_sys, _run_script, _user_tb
+from memdoctor.launch.profile_child import _exit_code, _prepare_sys, _run_script, _user_tb
 
 ENV_VAR = "MEMDOCTOR_RUN"
 EXIT_CONFIG = 2  # memdoctor.errors.ConfigError's exit code
@@ -24,7 +24,7 @@ EXIT_CONFIG = 2  # memdoctor.errors.ConfigError's exit code
 
 def main() -> int:
     cfg = json.loads(os.environ.pop(ENV_VAR))
-    from memdoctor.runtime.install import install, say_stderr
+    from memdoctor.levers.install import install, say_stderr
 
     installation = install(cfg["config"], say=say_stderr, fail=_fail)
     _prepare_sys(cfg)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from memdoctor import tracecheck
 from memdoctor.errors import MemdoctorError, TraceError
+from memdoctor.trace import check as tracecheck
 
 FORMAT_NAME = "memdoctor-trace"
 FORMAT_VERSION = 1

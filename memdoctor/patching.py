@@ -15,7 +15,7 @@ def wrap_forward(module: nn.Module, wrapper: Callable[..., Any]) -> Undo:
     """Make ``module(...)`` call ``wrapper(inner, *args, **kwargs)``, ``inner`` being its current forward.
 
     An instance attribute, which ``nn.Module.__call__`` finds before the class's ``forward`` (the way
-    ``memdoctor.config_apply.checkpoint_module`` wraps through it); wrappers stack, the last one outermost.
+    ``memdoctor.levers.apply.checkpoint_module`` wraps through it); wrappers stack, the last one outermost.
     """
     previous = module.__dict__.get("forward")
     inner = module.forward

@@ -70,7 +70,7 @@ def not_expressed(config: PlanConfig, tool: str) -> list[str]:
     if config.optimizer == "8bit" and tool != "hf":
         out.append("optimizer: 8bit: build bitsandbytes.optim.AdamW8bit with your optimizer's settings")
     # memdoctor.apply (the plain-loop snippet) and memdoctor run offload through torch
-    # (memdoctor.runtime.offload); a Trainer's or Accelerator's own arguments cannot: DeepSpeed can.
+    # (memdoctor.levers.offload); a Trainer's or Accelerator's own arguments cannot: DeepSpeed can.
     if config.optimizer == "offload" and tool != "plain":
         out.append(
             "optimizer: offload: no argument for it; DeepSpeed ZeRO-Offload (offload_optimizer_device: cpu), "

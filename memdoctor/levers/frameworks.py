@@ -37,8 +37,8 @@ from types import ModuleType
 from typing import Any
 
 from memdoctor.config import PlanConfig
-from memdoctor.config_export import hf_training_arguments, lightning_trainer_kwargs
-from memdoctor.runtime import FrameworkPatch
+from memdoctor.config.export import hf_training_arguments, lightning_trainer_kwargs
+from memdoctor.levers import FrameworkPatch
 
 _MISSING = object()
 _LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")

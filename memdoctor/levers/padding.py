@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from memdoctor.runtime.patching import Undo, set_attr
+from memdoctor.patching import Undo, set_attr
 
 IGNORE_INDEX = -100  # the label value torch's and HF's losses ignore
 

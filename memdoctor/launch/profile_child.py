@@ -1,6 +1,6 @@
 """The supervised child: runs the user's script exactly as ``python train.py args`` would, profiled.
 
-Started by the supervisor as ``python -m memdoctor.runner.child`` with its settings in the environment
+Started by the supervisor as ``python -m memdoctor.launch.profile_child`` with its settings in the environment
 variable ``MEMDOCTOR_CHILD`` (removed before the script runs). It sets ``sys.argv``, ``sys.path[0]``
 and ``__main__`` as Python does, installs a ``ProfileSession`` whose records go straight to the partial
 trace file (one flushed gzip member each, so a hard crash keeps every finished step), and stops the
@@ -71,12 +71,12 @@ def main() -> int:
 
 
 def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool]) -> Any:
-    """``--config``: the plan installed as ``memdoctor run`` installs it (``memdoctor.runtime.install``);
+    """``--config``: the plan installed as ``memdoctor run`` installs it (``memdoctor.levers.install``);
     each part applied later (when the script builds its optimizer) is an event ``config_applied``, and
     a part that cannot apply raises ``ConfigError`` into the script, recorded as its exception."""
     if not cfg.get("config"):
         return None
-    from memdoctor.runtime.install import install, say_stderr
+    from memdoctor.levers.install import install, say_stderr
 
     def say(line: str) -> None:
         say_stderr(line)
@@ -91,10 +91,10 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
     (``command``, ``warmup``, ``steps``, ``budget_bytes``, ``collect``)."""
     import torch
 
-    from memdoctor import __version__
     from memdoctor.capture.collectors import make_collectors
     from memdoctor.environment import recorded_environment
     from memdoctor.trace import make_header
+    from memdoctor.version import __version__
 
     cap = device.apply_cap(cfg["budget_bytes"]) if cfg.get("budget_bytes") else None
     described = device.describe()

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from memdoctor import exitcodes
-from memdoctor.analysis.plan import summary_target
 from memdoctor.config import PlanConfig
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.outputs import round_folder
 from memdoctor.plan.model import _batch_size
 from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
-from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
+from memdoctor.plan.summarize import summary_target
 from memdoctor.trace import Trace, read_trace
 from memdoctor.units import first_names
 

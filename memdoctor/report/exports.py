@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from memdoctor.config import config_for_summary, dump_config
-from memdoctor.config_export import (
+from memdoctor.config.export import (
     accelerate_kwargs,
     hf_training_arguments,
     lightning_trainer_kwargs,

@@ -15,7 +15,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from memdoctor.config import DataLoaderSettings
-from memdoctor.runtime.patching import Undo, set_attr
+from memdoctor.patching import Undo, set_attr
 
 _WORKER_ONLY = ("prefetch_factor", "persistent_workers")
 

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from memdoctor import exitcodes
-from memdoctor.analysis.plan import summary_target
-from memdoctor.analysis.verify import chosen_round
+from memdoctor.analysis.verified import chosen_round
 from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.outputs import round_folder
 from memdoctor.plan.model import Workload, _batch_size, corrected_workload, workload
 from memdoctor.plan.planner import Target, compared_plan, make_plan, runner_up
-from memdoctor.runner.supervisor import ProfileRequest, ProfileResult
+from memdoctor.plan.summarize import summary_target
 from memdoctor.trace import Trace, read_trace
 from memdoctor.units import format_bytes
 

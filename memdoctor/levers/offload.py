@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from memdoctor.runtime.patching import Undo, set_attr
+from memdoctor.patching import Undo, set_attr
 
 Say = Callable[[str], None]
 
@@ -236,7 +236,7 @@ class OptimizerOffload:
             return loss
 
         # An LR scheduler built before marked the step it wrapped; keep the mark (else it warns). A bound
-        # method, so that a scheduler built later wraps it the same way (memdoctor.runtime.precision too).
+        # method, so that a scheduler built later wraps it the same way (memdoctor.levers.autocast too).
         if getattr(original, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         step_undo = set_attr(opt, "step", types.MethodType(step, opt))

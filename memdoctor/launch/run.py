@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from memdoctor.config import PlanConfig
-from memdoctor.runtime.child import ENV_VAR
+from memdoctor.launch.run_child import ENV_VAR
 
 
 def run_script(config: PlanConfig, script: str | None, module: str | None, args: list[str]) -> int:
@@ -25,7 +25,7 @@ def run_script(config: PlanConfig, script: str | None, module: str | None, args:
     env.setdefault("PYTHONUNBUFFERED", "1")
     if config.allocator is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = config.allocator  # read once, when CUDA starts in the child
-    proc = subprocess.Popen([sys.executable, "-m", "memdoctor.runtime.child"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "memdoctor.launch.run_child"], env=env)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child gets Ctrl-C and decides
     try:
         code = proc.wait()

@@ -1,9 +1,9 @@
 """``install(config)``: put every part of a plan in place in this process, before the script runs.
 
-At once: the allocator setting, the framework path (``memdoctor.runtime.frameworks``, when present),
+At once: the allocator setting, the framework path (``memdoctor.levers.frameworks``, when present),
 the DataLoader settings and padding trim, and a watch for the model. When the script builds the
-model's optimizer (``memdoctor.runtime.discovery``), before its first training step, the config is
-checked against the model (a stale config stops the run), then offload (``memdoctor.runtime.offload``),
+model's optimizer (``memdoctor.levers.targets``), before its first training step, the config is
+checked against the model (a stale config stops the run), then offload (``memdoctor.levers.offload``),
 checkpointing, autocast, loss scaling and micro-batching are installed on it, each printed as one line.
 A part that cannot be applied stops
 the run with one line naming it (``fail``), before any optimizer step: a plan part is never silently
@@ -22,18 +22,19 @@ from typing import Any
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memdoctor.config import PlanConfig, _from_mapping, check_modules
-from memdoctor.config_apply import _allocator, checkpoint_module, no_kv_cache
+from memdoctor.config import PlanConfig, check_modules
+from memdoctor.config.file import _from_mapping
 from memdoctor.errors import ConfigError
-from memdoctor.runtime import FrameworkPatch
-from memdoctor.runtime.backward import BackwardPatch
-from memdoctor.runtime.discovery import ModelWatch, optimizers_of
-from memdoctor.runtime.loader import LoaderSettings
-from memdoctor.runtime.microbatch import MicroBatching
-from memdoctor.runtime.offload import install_offload
-from memdoctor.runtime.padding import PaddingTrim
-from memdoctor.runtime.patching import Undo, wrap_forward
-from memdoctor.runtime.precision import LossScaling, autocast_forward
+from memdoctor.levers import FrameworkPatch
+from memdoctor.levers.apply import _allocator, checkpoint_module, no_kv_cache
+from memdoctor.levers.autocast import LossScaling, autocast_forward
+from memdoctor.levers.backward import BackwardPatch
+from memdoctor.levers.loader import LoaderSettings
+from memdoctor.levers.microbatch import MicroBatching
+from memdoctor.levers.offload import install_offload
+from memdoctor.levers.padding import PaddingTrim
+from memdoctor.levers.targets import ModelWatch, optimizers_of
+from memdoctor.patching import Undo, wrap_forward
 from memdoctor.units import first_names
 
 Say = Callable[[str], None]
@@ -172,7 +173,7 @@ class Installation:
 
     def _offload(self, root: nn.Module) -> None:
         """Parameter offload first (the optimizer's state does not exist yet: it is being built), then
-        the optimizer-state offload of each optimizer of the model (memdoctor.runtime.offload)."""
+        the optimizer-state offload of each optimizer of the model (memdoctor.levers.offload)."""
         c = self.config
         cls = type(root).__name__
         optimizers = optimizers_of(root)
@@ -341,9 +342,9 @@ def _install_now(inst: Installation) -> None:
 
 
 def _frameworks(config: PlanConfig) -> FrameworkPatch:
-    """The HF Trainer / Lightning path (``memdoctor.runtime.frameworks``), when that module exists."""
-    if importlib.util.find_spec("memdoctor.runtime.frameworks") is None:
+    """The HF Trainer / Lightning path (``memdoctor.levers.frameworks``), when that module exists."""
+    if importlib.util.find_spec("memdoctor.levers.frameworks") is None:
         return FrameworkPatch()
-    module = importlib.import_module("memdoctor.runtime.frameworks")
+    module = importlib.import_module("memdoctor.levers.frameworks")
     patch: FrameworkPatch = module.patch_frameworks(config)
     return patch

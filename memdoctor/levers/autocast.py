@@ -1,7 +1,7 @@
 """Autocast around the model's forward, and fp16 loss scaling without the script calling a GradScaler.
 
 Loss scaling is ``torch.amp.GradScaler`` itself, driven from three places the script already calls:
-its ``loss.backward()`` (scaled through ``memdoctor.runtime.backward``), its ``optimizer.step()`` (the
+its ``loss.backward()`` (scaled through ``memdoctor.levers.backward``), its ``optimizer.step()`` (the
 optimizer's ``step`` becomes ``scaler.step(optimizer)`` + ``scaler.update()``: unscale, skip the step on
 inf/NaN, adjust the scale) and ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (which first
 unscale, as the GradScaler recipe asks, so a clipping threshold means what the script meant).
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from memdoctor.config import GradScalerSettings
-from memdoctor.runtime.discovery import optimizers_of
-from memdoctor.runtime.patching import Undo, set_attr, wrap_forward
+from memdoctor.levers.targets import optimizers_of
+from memdoctor.patching import Undo, set_attr, wrap_forward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,7 +1,7 @@
 """``memdoctor.yaml``: the plan as a versioned, schema-checked file a person can read and edit.
 
 Why a file of its own: a plan is only useful when it can be applied (``memdoctor.apply``) or exported
-(``memdoctor.config_export``) without re-running the planner, and reviewed in a pull request. The file
+(``memdoctor.config.export``) without re-running the planner, and reviewed in a pull request. The file
 is data only: it is parsed with ``yaml.safe_load`` after a token scan that refuses every YAML tag
 (``!!python/object`` and friends, but also ``!!str``: a config never needs one) and every alias (no
 "billion laughs" expansion), so loading it can never construct an object or run code. Every field is
@@ -324,7 +324,7 @@ def check_modules(config: PlanConfig, names: list[str] | set[str], model_class: 
 HEADER = """\
 # memdoctor.yaml: the plan memdoctor made for this training run (field by field: docs/config.md).
 # Apply it in code with memdoctor.apply(memdoctor.load_config("memdoctor.yaml"), model, optimizer),
-# or export it: memdoctor.config_export (HF TrainingArguments, Lightning Trainer, accelerate).
+# or export it: memdoctor.config.export (HF TrainingArguments, Lightning Trainer, accelerate).
 # Every number here is a prediction from the profiled run, not a measurement.
 """
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memdoctor.config_apply import split_batch
 from memdoctor.errors import ConfigError
-from memdoctor.runtime.backward import BackwardPatch
-from memdoctor.runtime.patching import Undo, wrap_forward
+from memdoctor.levers.apply import split_batch
+from memdoctor.levers.backward import BackwardPatch
+from memdoctor.patching import Undo, wrap_forward
 
 MAX_KEPT_BYTES = 256 << 20  # earlier micro-batches' outputs (logits) kept for the script, at most
 

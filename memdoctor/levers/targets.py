@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memdoctor.capture.discovery import find_trained_roots, optimizer_params
-from memdoctor.runtime.patching import Undo, set_attr
+from memdoctor.patching import Undo, set_attr
 
 
 class ModelWatch:

@@ -16,7 +16,7 @@ What is applied: activation checkpointing of exactly the chosen modules (their `
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, reversible with ``remove()``), autocast in
 the chosen dtype with a ``torch.amp.GradScaler`` for fp16, accumulation through ``micro_batches``, and
 offload of the chosen modules' parameters and of the optimizer's state to the host
-(``memdoctor.runtime.offload``; the optimizer must be passed for the latter).
+(``memdoctor.levers.offload``; the optimizer must be passed for the latter).
 What it cannot apply faithfully (an optimizer swap, padding trimming, an attention
 implementation, data-loader settings on a loader that already exists, an allocator setting after CUDA
 started) raises ``ConfigError`` naming the part: a plan part is never silently dropped.
@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.errors import ConfigError
-from memdoctor.runtime.patching import wrap_forward
+from memdoctor.patching import wrap_forward
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -103,7 +103,7 @@ class Applied:
 
 def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
     """Recompute ``module``'s forward in backward (non-reentrant ``torch.utils.checkpoint``); return the
-    undo. The wrapper is an instance attribute (``memdoctor.runtime.patching.wrap_forward``); under
+    undo. The wrapper is an instance attribute (``memdoctor.patching.wrap_forward``); under
     ``torch.no_grad()`` the module runs unwrapped (nothing is saved to recompute)."""
 
     def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -159,9 +159,9 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
 
 
 def _offload(applied: Applied) -> None:
-    """The plan's offload (``memdoctor.runtime.offload.install_offload``; ValueError names a part that
+    """The plan's offload (``memdoctor.levers.offload.install_offload``; ValueError names a part that
     cannot apply)."""
-    from memdoctor.runtime.offload import install_offload
+    from memdoctor.levers.offload import install_offload
 
     config, optimizer = applied.config, applied.optimizer
     optimizers = [optimizer] if config.optimizer == "offload" and optimizer is not None else []

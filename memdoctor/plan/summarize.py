@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from memdoctor.analysis.compute import LOW_SHARE
 from memdoctor.analysis.data import PADDING_HIGH, PADDING_NOTABLE
-from memdoctor.analysis.verify import chosen_round, rounds
-from memdoctor.plan.cards import CONTEXT_RESERVE_BYTES
+from memdoctor.analysis.flops import LOW_SHARE
+from memdoctor.analysis.verified import chosen_round, rounds
+from memdoctor.cards import CONTEXT_RESERVE_BYTES
 from memdoctor.plan.model import corrected_workload, workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW, ninegrid, priority
 from memdoctor.plan.planner import Target, alternatives, card_table, make_plan
