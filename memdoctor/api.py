@@ -26,6 +26,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from memdoctor.errors import UsageError
+from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
+from memdoctor.trace import (
+    PARTIAL_SUFFIX,
+    TRACE_FILENAME,
+    TraceWriter,
+    event_record,
+    load_trace,
+    make_end,
+    save_trace,
+)
 from memdoctor.units import parse_size
 
 
@@ -45,7 +56,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         time_depth: int | None = None,
     ) -> None:
         from memdoctor.capture.collectors import parse_names
-        from memdoctor.errors import UsageError
 
         if steps < 1 or warmup < 0:
             raise UsageError("memdoctor.profile: steps must be >= 1 and warmup >= 0")
@@ -79,7 +89,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         from memdoctor.launch.profile_child import start_run
         from memdoctor.launch.supervisor import redact_argv
         from memdoctor.outputs import profile_output_dir
-        from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, TraceWriter
 
         self._t0 = time.monotonic()
         self.out_dir = profile_output_dir(self.output, force=self.force).path
@@ -116,8 +125,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         return self
 
     def _reached_steps(self) -> None:
-        from memdoctor.trace import event_record
-
         self._session.stop()
         n = self._session.steps_recorded
         self._writer.write(event_record("stopped", f"stopped profiling after {n} steps, as requested"))
@@ -125,9 +132,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
-        from memdoctor.trace import event_record
-
         session, writer = self._session, self._writer
         try:
             if exc is not None:
@@ -152,7 +156,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
     def _finish(self) -> None:
         """Close the trace (end record, atomic save) and write the report and summary."""
         from memdoctor.report import write_report
-        from memdoctor.trace import load_trace, make_end, save_trace
 
         assert self._partial is not None and self.trace_path is not None and self.out_dir is not None
         trace = load_trace(self._partial, salvage=True)

@@ -2,11 +2,11 @@
 
 Started by the supervisor as ``python -m memdoctor.launch.profile_child`` with its settings in the environment
 variable ``MEMDOCTOR_CHILD`` (removed before the script runs). It sets ``sys.argv``, ``sys.path[0]``
-and ``__main__`` as Python does, installs a ``ProfileSession`` whose records go straight to the partial
-trace file (one flushed gzip member each, so a hard crash keeps every finished step), and stops the
-script with ``os._exit`` once the requested steps are recorded: the script's remaining code (its
-checkpoint saving, its ``finally`` blocks) does not run, so memdoctor never causes writes to the user's
-files beyond what the profiled steps themselves did.
+and ``__main__`` as Python does (``memdoctor.launch.script``), installs a ``ProfileSession`` whose
+records go straight to the partial trace file (one flushed gzip member each, so a hard crash keeps
+every finished step), and stops the script with ``os._exit`` once the requested steps are recorded:
+the script's remaining code (its checkpoint saving, its ``finally`` blocks) does not run, so memdoctor
+never causes writes to the user's files beyond what the profiled steps themselves did.
 """
 
 from __future__ import annotations
