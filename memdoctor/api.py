@@ -26,6 +26,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from memdoctor.errors import UsageError
+from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
+from memdoctor.trace import (
+    PARTIAL_SUFFIX,
+    TRACE_FILENAME,
+    TraceWriter,
+    event_record,
+    load_trace,
+    make_end,
+    save_trace,
+)
 from memdoctor.units import parse_size
 
 
@@ -45,7 +56,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         time_depth: int | None = None,
     ) -> None:
         from memdoctor.capture.collectors import parse_names
-        from memdoctor.errors import UsageError
 
         if steps < 1 or warmup < 0:
             raise UsageError("memdoctor.profile: steps must be >= 1 and warmup >= 0")
@@ -79,7 +89,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         from memdoctor.launch.profile_child import start_run
         from memdoctor.launch.supervisor import redact_argv
         from memdoctor.outputs import profile_output_dir
-        from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, TraceWriter
 
         self._t0 = time.monotonic()
         self.out_dir = profile_output_dir(self.output, force=self.force).path
@@ -116,32 +125,28 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         return self
 
     def _reached_steps(self) -> None:
-        from memdoctor.launch.profile_child import _event
-
         self._session.stop()
         n = self._session.steps_recorded
-        self._writer.write(_event("stopped", f"stopped profiling after {n} steps, as requested", None))
+        self._writer.write(event_record("stopped", f"stopped profiling after {n} steps, as requested"))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        from memdoctor.launch.profile_child import _close, _event, _is_oom, _one_line
-
         session, writer = self._session, self._writer
         try:
             if exc is not None:
-                where = _close(session)
+                where = close_session(session)
                 if isinstance(exc, KeyboardInterrupt):
-                    writer.write(_event("interrupted", "interrupted (Ctrl-C)", where))
+                    writer.write(event_record("interrupted", "interrupted (Ctrl-C)", where))
                     self.status = "interrupted"
                 else:
-                    self.status = "oom" if _is_oom(exc) else "exception"
-                    writer.write(_event(self.status, _one_line(exc), where, exc=exc))
+                    self.status = "oom" if is_oom(exc) else "exception"
+                    writer.write(event_record(self.status, one_line(exc), where, **exception_fields(exc)))
             else:
                 done = session._done
                 session.finish()
                 if not done:
-                    writer.write(_event("script_finished", "the profiled block ended", session.where()))
+                    writer.write(event_record("script_finished", "the profiled block ended", session.where()))
                 self.status = "completed" if done else "script_finished"
         finally:
             session.stop()
@@ -151,20 +156,16 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
     def _finish(self) -> None:
         """Close the trace (end record, atomic save) and write the report and summary."""
         from memdoctor.report import write_report
-        from memdoctor.trace import load_trace, save_trace
 
         assert self._partial is not None and self.trace_path is not None and self.out_dir is not None
         trace = load_trace(self._partial, salvage=True)
         steps = sum(1 for s in trace.steps if s.complete)
-        trace.end = {
-            "status": self.status,
-            "exit_code": None,
-            "signal": None,
-            "message": _message(self.status, steps, trace),
-            "steps_recorded": steps,
-            "duration_s": round(time.monotonic() - self._t0, 3),
-            "memdoctor_exit_code": None,
-        }
+        trace.end = make_end(
+            status=self.status,
+            message=_message(self.status, steps, trace),
+            steps_recorded=steps,
+            duration_s=time.monotonic() - self._t0,
+        )
         save_trace(trace, self.trace_path)
         self._partial.unlink(missing_ok=True)
         paths = write_report(trace, self.out_dir)

@@ -37,3 +37,9 @@ TABLE: tuple[tuple[int, str], ...] = (
 def describe() -> str:
     """The exit-code table as plain text lines, for ``--help`` epilogs."""
     return "\n".join(f"  {code:>3}  {meaning}" for code, meaning in TABLE)
+
+
+# How ``python SCRIPT`` itself exits, which memdoctor's children give as the script would.
+SCRIPT_OK = 0  # the script finished, or called sys.exit() / sys.exit(0)
+SCRIPT_RAISED = 1  # an uncaught exception, or sys.exit with a message
+SIGNAL_BASE = 128  # killed by signal N: the script's exit code is 128 + N, as a shell reports it

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import memdoctor
-from memdoctor.config.file import _from_mapping
+from memdoctor.config.file import config_from_mapping as _from_mapping
 from memdoctor.errors import ConfigError
 from memdoctor.levers.offload import OptimizerOffload, ParameterOffload
 

@@ -117,7 +117,7 @@ def parse_config(text: str, source: str = "config") -> PlanConfig:
     doc = _safe_yaml(text, source)
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: a memdoctor config is a mapping (key: value), not {_kind(doc)}")
-    return _from_mapping(doc, source)
+    return config_from_mapping(doc, source)
 
 
 def _safe_yaml(text: str, source: str) -> Any:
@@ -160,7 +160,9 @@ _TOP = (
 )
 
 
-def _from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
+def config_from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
+    """A config from a mapping already parsed (the plan a child process receives as JSON), held to
+    the same checks as a file's text; ``src`` names it in the messages."""
     _known_keys(doc, _TOP, src)
     if "memdoctor_config" not in doc:
         raise ConfigError(f"{src}: not a memdoctor config: the key memdoctor_config (the version) is missing")

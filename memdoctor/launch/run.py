@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from memdoctor.config import PlanConfig
+from memdoctor.exitcodes import SIGNAL_BASE
 from memdoctor.launch.run_child import ENV_VAR
 
 
@@ -31,7 +32,7 @@ def run_script(config: PlanConfig, script: str | None, module: str | None, args:
         code = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
-    return 128 - code if code < 0 else code
+    return SIGNAL_BASE - code if code < 0 else code
 
 
 def describe(config: PlanConfig, path: Path) -> str:

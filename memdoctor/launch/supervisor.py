@@ -24,7 +24,15 @@ from memdoctor import exitcodes
 from memdoctor.capture.collectors import parse_names
 from memdoctor.errors import TraceError
 from memdoctor.launch.profile_child import ENV_VAR
-from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, Trace, load_trace, make_header, save_trace
+from memdoctor.trace import (
+    PARTIAL_SUFFIX,
+    TRACE_FILENAME,
+    Trace,
+    load_trace,
+    make_end,
+    make_header,
+    save_trace,
+)
 
 
 @dataclass
@@ -86,15 +94,15 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
     outcome = _run_child(req, partial)
     trace = _salvage(partial, req)
     status, code, message = classify(trace, outcome)
-    trace.end = {
-        "status": status,
-        "exit_code": outcome.returncode if outcome.returncode >= 0 else None,
-        "signal": _signal_name(outcome.returncode),
-        "message": message,
-        "steps_recorded": sum(1 for s in trace.steps if s.complete),
-        "duration_s": round(outcome.duration_s, 3),
-        "memdoctor_exit_code": code,
-    }
+    trace.end = make_end(
+        status=status,
+        message=message,
+        steps_recorded=sum(1 for s in trace.steps if s.complete),
+        duration_s=outcome.duration_s,
+        exit_code=outcome.returncode if outcome.returncode >= 0 else None,
+        signal=_signal_name(outcome.returncode),
+        memdoctor_exit_code=code,
+    )
     save_trace(trace, trace_path)
     partial.unlink(missing_ok=True)
     from memdoctor.report import write_report
@@ -270,9 +278,9 @@ def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
 
 
 def _ended(kind: str, last: dict[str, Any], steps: int) -> tuple[str, int, str]:
-    code = last.get("exit_code") or 0
+    code = last.get("exit_code") or exitcodes.SCRIPT_OK
     how = "finished" if kind == "script_finished" else f"called sys.exit({code})"
-    if code != 0:
+    if code != exitcodes.SCRIPT_OK:
         return "script_exit", exitcodes.SCRIPT_FAILED, f"the script {how} after {steps} complete steps"
     if steps == 0:
         return "no_steps", exitcodes.NO_STEPS, f"the script {how} without calling an optimizer step"

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.config import PlanConfig, check_modules
-from memdoctor.config.file import _from_mapping
+from memdoctor.config.file import config_from_mapping as _from_mapping
 from memdoctor.errors import ConfigError
 from memdoctor.levers import FrameworkPatch
 from memdoctor.levers.apply import _allocator, checkpoint_module, no_kv_cache

@@ -1,8 +1,13 @@
-"""The trace: the one versioned file every stage after capture reads."""
+"""The trace: the one versioned file every stage after capture reads.
+
+``records`` defines each record and its Python object, ``writer`` appends and saves, ``reader`` loads
+and checks (``check`` is the deep check of every field a reader uses).
+"""
 
 from __future__ import annotations
 
-from memdoctor.trace.format import (
+from memdoctor.trace.reader import load_trace, read_trace
+from memdoctor.trace.records import (
     CATEGORIES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -14,12 +19,12 @@ from memdoctor.trace.format import (
     ModelInfo,
     StepRecord,
     Trace,
-    TraceWriter,
-    load_trace,
+    event_record,
+    make_end,
     make_header,
-    read_trace,
-    save_trace,
+    unfinished_end,
 )
+from memdoctor.trace.writer import TraceWriter, save_trace
 
 __all__ = [
     "CATEGORIES",
@@ -34,8 +39,11 @@ __all__ = [
     "StepRecord",
     "Trace",
     "TraceWriter",
+    "event_record",
     "load_trace",
+    "make_end",
     "make_header",
     "read_trace",
     "save_trace",
+    "unfinished_end",
 ]

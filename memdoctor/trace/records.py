@@ -1,30 +1,22 @@
-"""The one trace file every later stage reads: capture -> trace -> analysis -> report.
+"""The trace's records as Python objects, and back: ``header``, ``model``, ``step``, ``event``, ``end``.
 
 Format (documented field by field in ``docs/trace-format.md``): gzip-compressed JSON Lines. Each record
-is one JSON object with a ``type``; the writer compresses every record as its own gzip member and flushes
-it, so a process that dies between records leaves every earlier record readable on disk. The first
-record is the ``header`` (format name and ``format_version``), then ``model`` records (the module table of
-each trained model), ``step`` records (one per optimizer step), ``event`` records (exceptions, OOM,
-stops), and a final ``end`` record written by the supervisor that says how the run ended.
+is one JSON object with a ``type``. The first record is the ``header`` (format name and
+``format_version``), then ``model`` records (the module table of each trained model), ``step`` records
+(one per optimizer step), ``event`` records (exceptions, OOM, stops), and a final ``end`` record that
+says how the run ended. Each kind's shape is defined here, once, for every stage that writes one.
 
-Old traces keep loading: fields added later are optional and read with defaults. A trace from a newer
-format version, a corrupt or truncated one, is refused with a ``TraceError`` naming the file.
+Old traces keep loading: fields added later are optional and read with defaults, and a record's
+fields are read defensively (a wrong type or a negative size is a ``ValueError`` the reader turns into
+a ``TraceError`` naming the file).
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
-import os
-import tempfile
-import zlib
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
-
-from memdoctor.errors import MemdoctorError, TraceError
-from memdoctor.trace import check as tracecheck
+from typing import Any
 
 FORMAT_NAME = "memdoctor-trace"
 FORMAT_VERSION = 1
@@ -223,244 +215,67 @@ def make_header(**fields: Any) -> dict[str, Any]:
     return {"type": "header", "format": FORMAT_NAME, "format_version": FORMAT_VERSION, **fields}
 
 
-# ----------------------------------------------------------------------------------------- writing
+def make_end(
+    *,
+    status: str | None,
+    message: str,
+    steps_recorded: int,
+    duration_s: float,
+    exit_code: int | None = None,
+    signal: str | None = None,
+    memdoctor_exit_code: int | None = None,
+) -> dict[str, Any]:
+    """The ``end`` record (as ``Trace.end`` holds it, without its ``type``): how the run ended.
 
-
-class TraceWriter:
-    """Appends records to a trace file, one gzip member per record, flushed as written.
-
-    A flushed record is in the operating system's hands and survives the death of the process (the
-    crashes memdoctor is built for); ``fsync=True`` also survives a machine crash, at a few ms a record.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
-        self.path = Path(path)
-        self._fsync = fsync
-        self._fh: IO[bytes] | None = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._fh is None:
-            raise ValueError("trace writer is closed")
-        line = json.dumps(
-            record, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default
-        )
-        self._fh.write(gzip.compress(line.encode() + b"\n", compresslevel=6, mtime=0))
-        self._fh.flush()
-        if self._fsync:
-            os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-def save_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
-    """Write a whole trace atomically (temp file in the same folder, then rename)."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl.gz", dir=target.parent)
-    os.close(fd)
-    try:
-        writer = TraceWriter(tmp, fsync=False)
-        for rec in trace.records():
-            writer.write(rec)
-        writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _json_default(obj: Any) -> Any:
-    # numpy / torch scalars reach us from collectors; plain numbers in the file.
-    for attr in ("item", "tolist"):
-        if hasattr(obj, attr):
-            return getattr(obj, attr)()
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
-# ----------------------------------------------------------------------------------------- reading
-
-
-def read_trace(path: str | os.PathLike[str] | None) -> Trace | None:
-    """The trace at ``path``; None when there is none or it cannot be read (for callers that say so
-    their own way: a run's summary table, a verify or re-profile round's record)."""
-    try:
-        return load_trace(path) if path is not None else None
-    except MemdoctorError:
-        return None
-
-
-def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
-    """Load and validate a trace.
-
-    With ``salvage=True`` (used by the supervisor on a crashed run's partial file) a truncated or
-    corrupt tail is dropped and ``Trace.truncated`` is set; otherwise it is a ``TraceError``.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"{p}: no such trace file")
-    lines, truncated = _read_lines(p, salvage)
-    if not lines:
-        raise TraceError(f"{p}: empty trace file (no header record); it is not a complete memdoctor trace")
-    trace: Trace | None = None
-    for n, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("a record must be a JSON object")
-            if trace is None:
-                trace = Trace(header=_check_header(p, rec), path=str(p))
-                tracecheck.check_header(trace.header)
-                continue
-            _add_record(trace, rec)
-        except TraceError:
-            raise
-        except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
-            if salvage and trace is not None:
-                truncated = True
-                break
-            raise TraceError(f"{p}: record {n} is invalid ({_short(exc)}); the trace is corrupt") from None
-    if trace is None:
-        raise TraceError(f"{p}: no header record; not a memdoctor trace")
-    if trace.end is None and not salvage:
-        # Records are whole gzip members, so a cut at a record boundary still decompresses: the
-        # missing end record is what tells a truncated (or still running) trace from a finished one.
-        raise TraceError(
-            f"{p}: the trace has no end record: it was cut short (truncated, or its run has not "
-            "finished); `memdoctor report --salvage` reads what it holds"
-        )
-    try:
-        tracecheck.check_references(trace)
-    except ValueError as exc:
-        raise TraceError(f"{p}: {_short(exc)}; the trace is corrupt") from None
-    trace.truncated = truncated
-    return trace
-
-
-def _read_lines(p: Path, salvage: bool) -> tuple[list[str], bool]:
-    data = p.read_bytes()
-    if data[:2] != b"\x1f\x8b":
-        raise TraceError(f"{p}: not a gzip file; a memdoctor trace is gzip-compressed JSON Lines")
-    text, truncated = _gunzip_members(data)
-    if truncated and not salvage:
-        raise TraceError(f"{p}: the trace is truncated or corrupt (its compressed data ends mid-record)")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    elif lines:  # last line without newline: an incomplete record
-        if not salvage:
-            raise TraceError(f"{p}: the trace is truncated (its last record is incomplete)")
-        lines.pop()
-        truncated = True
-    for n, line in enumerate(lines, 1):
-        if len(line) > MAX_RECORD_CHARS:
-            raise TraceError(f"{p}: record {n} is larger than {MAX_RECORD_CHARS} characters")
-    return lines, truncated
-
-
-def _gunzip_members(data: bytes) -> tuple[str, bool]:
-    """Decompress concatenated gzip members; report whether the tail was cut or corrupt."""
-    out: list[bytes] = []
-    pos, total = 0, 0
-    while pos < len(data):
-        d = zlib.decompressobj(wbits=31)
-        try:
-            chunk = d.decompress(data[pos:], MAX_RECORD_CHARS * 4)
-        except zlib.error:
-            return _decode(out), True
-        total += len(chunk)
-        if total > MAX_RECORD_CHARS * 16:
-            raise TraceError("trace decompresses to more than 1 GiB; refusing to load it")
-        if not d.eof:
-            return _decode(out), True
-        out.append(chunk)
-        pos = len(data) - len(d.unused_data)
-    return _decode(out), False
-
-
-def _decode(chunks: list[bytes]) -> str:
-    return b"".join(chunks).decode("utf-8", errors="replace")
-
-
-def _check_header(p: Path, rec: dict[str, Any]) -> dict[str, Any]:
-    if rec.get("type") != "header" or rec.get("format") != FORMAT_NAME:
-        raise TraceError(f"{p}: not a memdoctor trace (first record is not a memdoctor-trace header)")
-    version = rec.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise TraceError(f"{p}: the header's format_version is missing or invalid")
-    if version > FORMAT_VERSION:
-        raise TraceError(
-            f"{p}: trace format version {version} is newer than this memdoctor reads "
-            f"(version {FORMAT_VERSION}); upgrade memdoctor (pip install -U memdoctor)"
-        )
-    header = dict(rec)
-    header.pop("type", None)
-    return _with_defaults(header)
-
-
-def _with_defaults(header: dict[str, Any]) -> dict[str, Any]:
-    """Optional header fields, filled in (old traces keep loading; readers need not check)."""
-    sections: dict[str, dict[str, Any]] = {
-        "command": {"argv": [], "script": None, "module": None, "cwd": None},
-        "settings": {"warmup": 0, "steps": 0, "budget_bytes": None},
-        "device": {
-            "kind": "unknown",
-            "name": "unknown",
-            "total_memory_bytes": None,
-            "memory_cap_bytes": None,
-        },
-        "host": {},
+    ``exit_code`` and ``signal`` are the script process's (None for an in-process run, which has no
+    process of its own); ``memdoctor_exit_code`` is what ``memdoctor profile`` returned for it."""
+    return {
+        "status": status,
+        "exit_code": exit_code,
+        "signal": signal,
+        "message": message,
+        "steps_recorded": steps_recorded,
+        "duration_s": round(duration_s, 3),
+        "memdoctor_exit_code": memdoctor_exit_code,
     }
-    for key, defaults in sections.items():
-        value = header.get(key)
-        header[key] = {**defaults, **value} if isinstance(value, dict) else dict(defaults)
-    header.setdefault("not_measured", [])
-    header.setdefault("applied_config", None)
-    return header
 
 
-def _add_record(trace: Trace, rec: dict[str, Any]) -> None:
-    kind = rec.get("type")
-    if kind == "model":
-        trace.models.append(ModelInfo.from_record(rec))
-    elif kind == "step":
-        step = StepRecord.from_record(rec)
-        tracecheck.check_step(step)
-        if trace.steps and trace.steps[-1].step == step.step:
-            trace.steps[-1] = step  # a later record of the same step supersedes a provisional one
-        else:
-            trace.steps.append(step)
-    elif kind == "event":
-        ev = {k: v for k, v in rec.items() if k != "type"}
-        ev["kind"] = _name(ev.get("kind", "note"))
-        ev["message"] = str(ev.get("message", ""))[: MAX_NAME_CHARS * 4]
-        tracecheck.check_event(ev)
-        trace.events.append(ev)
-    elif kind == "end":
-        trace.end = {k: v for k, v in rec.items() if k != "type"}
-        tracecheck.check_end(trace.end)
-    elif kind == "collector":
-        trace.collected[_name(rec.get("name"))] = _dict(rec, "data", {})
-    elif kind == "header":
-        raise ValueError("a second header record")
-    # Unknown record types come from newer minor versions: ignored, as documented.
+def unfinished_end(steps_recorded: int) -> dict[str, Any]:
+    """The end a salvaged trace is read with when its run wrote none: no status, since how the run
+    ended is not known (the report says "unknown")."""
+    msg = "the trace has no end record: the run was cut short (or is still running)"
+    return {"message": msg, "steps_recorded": steps_recorded}
 
 
-# ----------------------------------------------------------------------------------------- validation
-def _short(exc: BaseException) -> str:
-    text = str(exc)
-    return text if len(text) < 200 else text[:200] + "..."
+def event_record(
+    kind: str, message: str, where: dict[str, Any] | None = None, **fields: Any
+) -> dict[str, Any]:
+    """An ``event`` record: what happened (``kind``, a one-line ``message``), when (``t_unix``), where
+    the script was (``where``: its step, phase and module), and the ``fields`` of its kind."""
+    return {
+        "type": "event",
+        "kind": kind,
+        "message": message,
+        "t_unix": time.time(),
+        **(where or {}),
+        **fields,
+    }
 
 
+def event_from_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """An event as ``Trace.events`` holds it: without its ``type``, its kind and message bounded."""
+    ev = {k: v for k, v in rec.items() if k != "type"}
+    ev["kind"] = _name(ev.get("kind", "note"))
+    ev["message"] = str(ev.get("message", ""))[: MAX_NAME_CHARS * 4]
+    return ev
+
+
+def collector_from_record(rec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A ``collector`` record's (name, data)."""
+    return _name(rec.get("name")), _dict(rec, "data", {})
+
+
+# ----------------------------------------------------------------------------------------- fields
 def _dict(rec: dict[str, Any], key: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
     value = rec.get(key, default)
     if not isinstance(value, dict):
