@@ -131,7 +131,7 @@ def activation_overflow(ev: Evidence) -> list[Finding]:
 def gradient_underflow(ev: Evidence) -> list[Finding]:
     """Gradients that fp16 flushes to zero even after the loss scale: non-zero gradient values below
     2**-24 / scale (2**-40 at GradScaler's default 2**16) in more than 1% of a layer's sampled values.
-    The story's layer-4 gradients at 1e-9 are 2**-30: they survive a 2**16 scale, but not a 2**4."""
+    Gradients at 1e-9 are 2**-30: they survive a 2**16 scale, but not a 2**4."""
     lost = []
     for e in ev.backward():
         scale = 0 if e.scaled else ASSUMED_SCALE_LOG2
