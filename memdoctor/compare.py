@@ -2,7 +2,8 @@
 
 Both read the same figures as ``summary.json`` (``build_summary`` of the trace), so a budget checked in
 CI and the number in the report can never disagree. A report folder without its trace (only
-``summary.json``) is accepted too: everything compared here is in the summary.
+``summary.json``) is accepted too: everything compared here is in the summary. The comparison is
+plain data; ``memdoctor.report.diff`` writes it as text and as ``diff.html``.
 """
 
 from __future__ import annotations
