@@ -633,7 +633,7 @@ def report_command(ns: argparse.Namespace) -> int:
         written = report.write_report(trace, out.path)
     except OSError as exc:
         raise OutputError(f"{out.path}: cannot write the report ({exc.strerror or exc})") from None
-    summary = importlib.import_module("memdoctor.analysis.summary").build_summary(trace)
+    summary = report.build_summary(trace)
     print_summary(summary, trace, status=summary.get("status"), message=(trace.end or {}).get("message"))
     print_written(list(written.values()))
     return exitcodes.OK
@@ -672,10 +672,10 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
 def plan_command(ns: argparse.Namespace) -> int:
     import json
 
-    from memdoctor.analysis.summary import build_summary
     from memdoctor.cards import find_card
     from memdoctor.plan.planner import Target, card_table
     from memdoctor.plan.summarize import doctor, summary_target
+    from memdoctor.report import build_summary
     from memdoctor.trace import TRACE_FILENAME, load_trace
 
     path: Path = ns.trace
@@ -843,7 +843,8 @@ def configure_diff(p: argparse.ArgumentParser) -> None:
 
 
 def diff_command(ns: argparse.Namespace) -> int:
-    from memdoctor.compare import DIFF_FILENAME, diff_runs, load_run, render_diff_html
+    from memdoctor.compare import diff_runs, load_run
+    from memdoctor.report.diff import DIFF_FILENAME, render_diff_html
     from memdoctor.report.render import atomic_write
 
     data = diff_runs(load_run(ns.a), load_run(ns.b))
@@ -866,7 +867,7 @@ def print_diff(data: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from memdoctor.compare import format_delta, format_value
+    from memdoctor.report.diff import format_delta, format_value
 
     console = Console(highlight=False)
     console.print(f"A: {escape(data['a']['path'])}\nB: {escape(data['b']['path'])}")
@@ -970,7 +971,7 @@ def biggest_layers(summary: dict[str, Any], trace: Any, n: int) -> list[dict[str
     rows = {row.get("name"): row for row in summary.get("layers") or []}
     candidates = [row for row in rows.values() if row.get("depth", 1) and row.get("name")]
     if trace is not None and trace.models:
-        analysis = importlib.import_module("memdoctor.analysis.summary")
+        analysis = importlib.import_module("memdoctor.analysis")
         bars = analysis.top_layers(trace, analysis.peak_step(trace), limit=len(rows) + 1)
         candidates = [_bar_row(bar, rows.get(bar["name"], {})) for bar in bars if not bar.get("own")]
     candidates = [row for row in candidates if (row.get("activation_bytes") or 0) > 0]

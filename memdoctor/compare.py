@@ -2,7 +2,8 @@
 
 Both read the same figures as ``summary.json`` (``build_summary`` of the trace), so a budget checked in
 CI and the number in the report can never disagree. A report folder without its trace (only
-``summary.json``) is accepted too: everything compared here is in the summary.
+``summary.json``) is accepted too: everything compared here is in the summary. The comparison is
+plain data; ``memdoctor.report.diff`` writes it as text and as ``diff.html``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from memdoctor.errors import TraceError, UsageError
+from memdoctor.report import SUMMARY_FILENAME, build_summary
+from memdoctor.trace import TRACE_FILENAME, load_trace
 from memdoctor.units import format_bytes
 
-SUMMARY_FILENAME = "summary.json"
-DIFF_FILENAME = "diff.html"
 TOP_CHANGED_LAYERS = 10
 
 
@@ -30,9 +31,6 @@ class Run:
 
 def load_run(path: Path) -> Run:
     """A trace file, a folder holding ``trace.jsonl.gz``, or a report folder holding ``summary.json``."""
-    from memdoctor.analysis.summary import build_summary
-    from memdoctor.trace import TRACE_FILENAME, load_trace
-
     path = Path(path)
     if path.is_dir():
         if (path / TRACE_FILENAME).is_file():
@@ -185,42 +183,3 @@ def changed_layers(la: list[dict[str, Any]], lb: list[dict[str, Any]], top: int)
 def _int(row: dict[str, Any] | None, key: str) -> int:
     value = (row or {}).get(key)
     return int(value) if isinstance(value, (int, float)) else 0
-
-
-def format_value(value: Any, unit: str) -> str:
-    """A figure of a diff row as text: bytes, milliseconds or a count; ``n/a`` when missing."""
-    if value is None:
-        return "n/a"
-    if unit == "bytes":
-        return format_bytes(value)
-    if unit == "ms":
-        return f"{value:.1f} ms"
-    return str(value)
-
-
-def format_delta(row: dict[str, Any]) -> str:
-    """``+1.20 GiB (1.15x)``; ``n/a`` when a side lacks the figure."""
-    if row["delta"] is None:
-        return "n/a"
-    sign = "+" if row["delta"] > 0 else ""
-    text = sign + format_value(row["delta"], row["unit"]) if row["unit"] != "bytes" else _signed_bytes(row)
-    return f"{text} ({row['ratio']:.2f}x)" if row["ratio"] is not None else text
-
-
-def _signed_bytes(row: dict[str, Any]) -> str:
-    return ("+" if row["delta"] > 0 else "") + format_bytes(row["delta"])
-
-
-def render_diff_html(data: dict[str, Any]) -> str:
-    """``diff.html``: the same base template (and Content-Security-Policy) as the report."""
-    from memdoctor.report.render import environment
-    from memdoctor.version import __version__
-
-    env = environment()
-    template = env.get_template("diff.html.j2")
-    return template.render(
-        diff=data,
-        fmt=format_value,
-        fmt_delta=format_delta,
-        memdoctor_version=__version__,
-    )

@@ -107,7 +107,8 @@ def test_a_planted_external_image_is_caught(bert_report: Path, tmp_path: Path) -
 
 def test_diff_page_in_chromium(tmp_path: Path) -> None:
     """``memdoctor diff -o``'s page: same base template, same CSP, a clean console."""
-    from memdoctor.compare import diff_runs, load_run, render_diff_html
+    from memdoctor.compare import diff_runs, load_run
+    from memdoctor.report.diff import render_diff_html
 
     assert CHROMIUM is not None
     data = diff_runs(load_run(BERT), load_run(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"))

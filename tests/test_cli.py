@@ -417,7 +417,7 @@ def fake_report(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     for name, attr, fn in [
         ("memdoctor.report", "write_report", write_report),
-        ("memdoctor.analysis.summary", "build_summary", lambda trace: SUMMARY),
+        ("memdoctor.report", "build_summary", lambda trace: SUMMARY),
     ]:
         try:
             module = importlib.import_module(name)
@@ -515,7 +515,7 @@ def test_profile_end_to_end(
 def test_readme_documents_every_summary_key() -> None:
     from tracebuilder import TraceBuilder, tiny_mlp
 
-    from memdoctor.analysis.summary import build_summary
+    from memdoctor.report import build_summary
 
     builder = TraceBuilder(kind="cpu")
     builder.add_model(tiny_mlp())

@@ -180,7 +180,7 @@ def test_missing_collector_modules_are_noted() -> None:
 
 
 def test_collector_note_finds_the_reason_by_name() -> None:
-    from memdoctor.analysis.sections import collector_note
+    from memdoctor.analysis.notes import collector_note
 
     notes = ["GPU kernel times: no CUDA device", "transfers: no CUDA device: no copies", "nvtx: missing"]
     assert collector_note(notes, "transfers") == "no CUDA device: no copies"

@@ -9,10 +9,11 @@ import pytest
 from tracebuilder import GiB, TraceBuilder, bert_like
 
 from memdoctor import exitcodes
-from memdoctor.analysis.summary import build_summary
 from memdoctor.cli import main
-from memdoctor.compare import Run, changed_layers, check_run, diff_runs, render_diff_html
+from memdoctor.compare import Run, changed_layers, check_run, diff_runs
 from memdoctor.errors import UsageError
+from memdoctor.report import build_summary
+from memdoctor.report.diff import render_diff_html
 from memdoctor.trace import load_trace
 
 

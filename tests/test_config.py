@@ -358,8 +358,8 @@ def test_the_report_shows_the_config_and_says_when_there_is_none(tmp_path: Path)
     ].read_text()
     assert '<h2 id="config">Apply the plan</h2>' in html
     assert "memdoctor_config: 1" in html and "gradient_accumulation_steps" in html
-    from memdoctor.report.exports import report_section
     from memdoctor.report.render import environment
+    from memdoctor.report.sections.config import report_section
 
     assert report_section(load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz"), {"plan": None}) is None
     text = environment().get_template("sections/config.html.j2").render(ctx=None)

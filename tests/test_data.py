@@ -19,14 +19,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tracebuilder import TraceBuilder, completed_trace, tiny_mlp, trace_from_records
 
-from memdoctor.analysis import build_summary
-from memdoctor.analysis import data as an
 from memdoctor.capture.batchtraits import BatchTraits, batch_traits, call_traits
 from memdoctor.capture.dataloader import DataCollector
 from memdoctor.capture.session import ProfileSession
 from memdoctor.cli import main
 from memdoctor.device import FakeDevice
-from memdoctor.report import render_report
+from memdoctor.report import build_summary, render_report
+from memdoctor.report.sections import data as data_section
 from memdoctor.trace import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,7 +410,7 @@ def test_traces_from_before_collectors_say_not_measured() -> None:
         summary = build_summary(trace)
         assert summary["data"] is None and summary["padding_fraction"] is None
         assert summary["dataloader_wait_fraction"] is None
-        assert an.report_section(trace, summary) is None
+        assert data_section.report_section(trace, summary) is None
         section = _section(render_report(trace, summary))
         assert "Not measured:" in section
 

@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 from tracebuilder import TraceBuilder, tiny_mlp
 
-from memdoctor.analysis import build_summary
 from memdoctor.capture.devicefacts import DeviceFactsCollector, gather
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import Device, nvml
-from memdoctor.report import render_report
+from memdoctor.report import build_summary, render_report
 from memdoctor.trace import Trace
 
 NVML_KEYS = ("driver_version", "cuda_driver_version", "other_processes", "used_by_others_bytes", "pcie")

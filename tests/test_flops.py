@@ -19,11 +19,11 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from tracebuilder import TraceBuilder, tiny_mlp
 
-from memdoctor.analysis import build_summary
-from memdoctor.analysis import flops as compute
 from memdoctor.capture.flops import FlopCollector, measured_step
 from memdoctor.capture.session import ProfileSession
-from memdoctor.report import render_report
+from memdoctor.cards import device_peaks
+from memdoctor.report import build_summary, render_report
+from memdoctor.report.sections import compute as compute_section
 from memdoctor.trace import StepRecord, Trace, load_trace
 
 DATA = Path(__file__).parent / "data"
@@ -275,17 +275,17 @@ def test_layers_carry_flops_and_intensity() -> None:
     assert rows["0"]["flops"] == 1_000_000 and rows["2"]["flops"] == 2_000_000
     assert rows["0"]["arithmetic_intensity"] == pytest.approx(1_000_000 / (300_000 // 4))
     assert rows["1"]["arithmetic_intensity"] == 0.0
-    ctx = compute.report_section(flop_trace("NVIDIA H200"), summary)
+    ctx = compute_section.report_section(flop_trace("NVIDIA H200"), summary)
     assert ctx["measured"] and [m["name"] for m in ctx["modules"]] == ["2", "0"]
     assert ctx["chart"].startswith("data:image/svg+xml;base64,")
 
 
 def test_device_table_matches_specific_names_first() -> None:
-    assert compute.device_peaks("NVIDIA H100 PCIe")[0] == "H100 PCIe"  # type: ignore[index]
-    assert compute.device_peaks("NVIDIA H100 80GB HBM3")[0] == "H100"  # type: ignore[index]
-    assert compute.device_peaks("NVIDIA L40S")[0] == "L40S"  # type: ignore[index]
-    assert compute.device_peaks("NVIDIA GeForce RTX 2070")[1].get("bfloat16") is None  # type: ignore[index]
-    assert compute.device_peaks("cpu") is None
+    assert device_peaks("NVIDIA H100 PCIe")[0] == "H100 PCIe"  # type: ignore[index]
+    assert device_peaks("NVIDIA H100 80GB HBM3")[0] == "H100"  # type: ignore[index]
+    assert device_peaks("NVIDIA L40S")[0] == "L40S"  # type: ignore[index]
+    assert device_peaks("NVIDIA GeForce RTX 2070")[1].get("bfloat16") is None  # type: ignore[index]
+    assert device_peaks("cpu") is None
 
 
 def test_recorded_gpu_trace_counts_bert_base_flops() -> None:
@@ -310,7 +310,7 @@ def test_traces_from_before_collectors_say_not_measured(path: Path) -> None:
     assert summary["flops_per_step"] is None and summary["compute"] is None
     assert summary["layers"] and all(r["flops"] is None for r in summary["layers"])
     assert all(r["arithmetic_intensity"] is None for r in summary["layers"])
-    ctx = compute.report_section(trace, summary)
+    ctx = compute_section.report_section(trace, summary)
     assert ctx["measured"] is False and "no FLOP count" in ctx["reason"]
     html = render_report(trace)
     section = html[html.index('id="compute"') :]

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memdoctor.analysis import build_summary
 from memdoctor.errors import TraceError
+from memdoctor.report import build_summary
 from memdoctor.trace import FORMAT_NAME, load_trace
 
 pytestmark = pytest.mark.fuzz

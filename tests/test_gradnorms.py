@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from tracebuilder import TraceBuilder, bert_like, completed_trace, trace_from_records
 
-from memdoctor.analysis import summary as an
+from memdoctor.analysis import gradnorms as an
 from memdoctor.capture import gradnorms
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
-from memdoctor.report import render
+from memdoctor.report import build_summary, render
 from memdoctor.trace import StepRecord, Trace
 
 BLOCKS = 6
@@ -193,7 +193,7 @@ def test_planted_nan_names_its_module_and_the_trace_loads(tmp_path: Path) -> Non
     assert rec["modules"]["0"]["grad_norm"][lin] is None
     assert rec["modules"]["0"]["grad_nonfinite"][lin] == 1
     trace = write(tmp_path, records)
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     assert summary["grad_norm"][-1] == {"step": 3, "global": None}
     assert [f for f in summary["grad_flags"] if f["kind"] == "nonfinite"] == [
         {
@@ -237,7 +237,7 @@ def test_a_nan_that_flows_backward_is_traced_to_where_it_appeared(at_step: int) 
 
 def test_planted_vanishing_layer_is_flagged(tmp_path: Path) -> None:
     records, _, _ = profile(scale_grads("layers.4", 1e-9))
-    summary = an.build_summary(write(tmp_path, records))
+    summary = build_summary(write(tmp_path, records))
     flags = summary["grad_flags"]
     assert [(f["kind"], f["module"], f["step"]) for f in flags] == [("vanishing", "layers.4", 0)]
     assert "below the median of its neighbours" in flags[0]["evidence"]
@@ -285,7 +285,7 @@ def test_exploding_by_threshold_and_by_ratio() -> None:
 
 def test_a_trace_without_norms_says_not_measured() -> None:
     trace = completed_trace(layers=2)
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     assert summary["grad_norm"] == [] and summary["grad_flags"] == []
     assert all(row["grad_norm"] is None for row in summary["layers"])
     context = render.report_context(trace, summary)
@@ -304,7 +304,7 @@ def test_report_renders_the_gradient_norm_section(tmp_path: Path) -> None:
     assert chart["layers"][:3] == ["emb", "layers.0.norm", "layers.0.lin"]  # every owner of parameters
     layer4 = chart["layers"].index("layers.4.lin")
     assert all(st["norms"][layer4] < 1e-6 for st in chart["steps"])
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     context = render.report_context(trace, summary)
     assert context["grad_chart"].startswith("data:image/svg+xml;base64,")
     html = render.render_report(trace, summary)

@@ -11,7 +11,7 @@ from torch import nn
 
 import memdoctor
 from memdoctor.analysis import histograms as precision
-from memdoctor.analysis.summary import build_summary
+from memdoctor.report import build_summary
 from memdoctor.trace import load_trace
 
 

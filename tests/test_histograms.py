@@ -16,11 +16,11 @@ from torch import nn
 from tracebuilder import TraceBuilder, tiny_mlp, trace_from_records
 
 from memdoctor.analysis import histograms as pr
-from memdoctor.analysis import summary as an
 from memdoctor.capture import histograms as hist
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
-from memdoctor.report import render
+from memdoctor.report import build_summary, render
+from memdoctor.report.sections import precision as precision_section
 from memdoctor.trace import Trace, load_trace
 
 DATA = Path(__file__).parent / "data"
@@ -154,7 +154,7 @@ def test_planted_fp16_overflow_is_found_in_its_layer_with_its_fraction(tmp_path:
         assert 0.3 < expected < 1.0  # tanh outputs above 0.0655 overflow once scaled: most, not all
         # the layers before it are clean
         assert rec["modules"]["0"]["fp16_overflow_fraction"][index_of(model, "act")] == 0
-    summary = an.build_summary(write(tmp_path, records))
+    summary = build_summary(write(tmp_path, records))
     rows = {r["name"]: r for r in summary["layers"]}
     total = torch.cat([o.flatten() for o in spy["out"][: len(steps)]])
     assert rows["planted"]["fp16_overflow_fraction"] == pytest.approx(
@@ -182,7 +182,7 @@ def test_planted_tiny_gradient_shows_underflow(tmp_path: Path, factor: float) ->
     assert expected == 1.0
     assert rec["modules"]["0"]["grad_fp16_underflow_fraction"][index_of(model, "out")] == 0
     assert cols["abs_max"][i] == pytest.approx(grad.abs().max().item(), rel=1e-5)
-    summary = an.build_summary(write(tmp_path, records))
+    summary = build_summary(write(tmp_path, records))
     result = summary["precision"]
     under = [f for f in result["findings"] if f["rule"] == "gradient_underflow"]
     if factor == 1e-6:
@@ -423,7 +423,7 @@ def test_safe_and_the_turing_note() -> None:
 
 def test_overflow_on_a_card_without_bf16_says_so_in_the_report() -> None:
     trace = synthetic({"0": [0.5]}, {"2": [70000.0, 1.0]}, capability=[7, 5])
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     assert summary["precision"]["verdict"] == "bf16_only"
     html = render.render_report(trace, summary)
     assert "has no native bf16" in html and 'id="precision-layers"' in html
@@ -435,7 +435,7 @@ def test_the_collectors_own_note_is_the_reason() -> None:
     trace = synthetic({})
     trace.steps[0].collectors.clear()
     trace.header["not_measured"] = ["histograms: this memdoctor build has no histograms collector"]
-    html = render.render_report(trace, an.build_summary(trace))
+    html = render.render_report(trace, build_summary(trace))
     assert "Not measured: this memdoctor build has no histograms collector." in html
 
 
@@ -444,7 +444,7 @@ def test_damaged_histogram_data_is_left_out() -> None:
     cols = trace.steps[0].collectors["histograms"]["models"]["0"]["backward"]
     cols["module"] = [999]  # not in the module table
     assert pr.precision(trace) is None
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     assert summary["precision"] is None and summary["layers"][1]["grad_fp16_underflow_fraction"] is None
     html = render.render_report(trace, summary)
     assert "Not measured: no step of this run recorded activation histograms" in html
@@ -455,8 +455,8 @@ def test_damaged_histogram_data_is_left_out() -> None:
 
 def test_report_renders_the_precision_section(tmp_path: Path) -> None:
     trace = write(tmp_path, run(Net(Scale(1e6))))
-    summary = an.build_summary(trace)
-    ctx = pr.report_section(trace, summary)
+    summary = build_summary(trace)
+    ctx = precision_section.report_section(trace, summary)
     assert ctx is not None and ctx["chart"].startswith("data:image/svg+xml;base64,")
     outputs = [r for r in ctx["rows"] if r["what"] == "output"]
     assert outputs[0]["name"] == "planted" and outputs[0]["overflow"] > 0.3
@@ -467,11 +467,11 @@ def test_report_renders_the_precision_section(tmp_path: Path) -> None:
 def test_recorded_gpu_trace_has_a_verdict_and_layer_ranges() -> None:
     # BERT-base fp32 on the H200: every timed layer measured, nothing beyond fp16's range.
     trace = load_trace(DATA / "gpu-bert-base-b32-s512-fp32.jsonl.gz")
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     assert summary["precision"]["verdict"] == "fp16_safe"
     measured = [r for r in summary["layers"] if r["fp16_overflow_fraction"] is not None]
     assert len(measured) >= 12 and all(r["fp16_overflow_fraction"] == 0 for r in measured)
-    assert pr.report_section(trace, summary) is not None
+    assert precision_section.report_section(trace, summary) is not None
 
 
 @pytest.mark.parametrize(
@@ -479,11 +479,11 @@ def test_recorded_gpu_trace_has_a_verdict_and_layer_ranges() -> None:
 )
 def test_recorded_traces_without_histograms_say_not_measured(path: Path) -> None:
     trace = load_trace(path)
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     assert summary["precision"] is None
     assert all(r["fp16_overflow_fraction"] is None for r in summary["layers"])
     assert all(r["grad_fp16_underflow_fraction"] is None for r in summary["layers"])
-    assert pr.report_section(trace, summary) is None
+    assert precision_section.report_section(trace, summary) is None
     html = render.render_report(trace, summary)
     start = html.index('id="precision"')
     assert "Not measured:" in html[start : start + 600]

@@ -93,8 +93,7 @@ def test_site_without_frames_is_autograd():
 
 
 def test_summary_and_report_carry_the_peak_ledger(tmp_path):
-    from memdoctor.analysis import build_summary
-    from memdoctor.report import render_report
+    from memdoctor.report import build_summary, render_report
     from tests.tracebuilder import completed_trace
 
     trace = completed_trace("cuda", None, 2)

@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memdoctor.analysis import nvtx as nvtx_note
-from memdoctor.analysis.summary import build_summary
 from memdoctor.capture import nvtxranges
 from memdoctor.capture.collectors import CollectorUnavailable, make_collectors
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
+from memdoctor.report import build_summary
 from memdoctor.report.render import render_report, report_context
 from tests.tracebuilder import completed_trace
 

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from memdoctor import exitcodes
-from memdoctor.analysis.summary import build_summary
 from memdoctor.cards import CARDS, CONTEXT_RESERVE_BYTES, find_card
 from memdoctor.cli import main
 from memdoctor.errors import UsageError
@@ -36,6 +35,7 @@ from memdoctor.plan.planner import (
     fits,
     make_plan,
 )
+from memdoctor.report import build_summary
 from memdoctor.trace import Trace, load_trace
 from tests.tracebuilder import GiB, MiB, completed_trace
 
@@ -388,7 +388,7 @@ def test_cli_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
 
 
 def test_report_section_carries_the_plan_and_the_card_table(bert32: tuple[Trace, dict[str, Any]]) -> None:
-    from memdoctor.analysis.sections import report_sections
+    from memdoctor.report.sections import report_sections
 
     trace, summary = bert32
     (plan,) = [s for s in report_sections(trace, summary) if s["name"] == "plan"]

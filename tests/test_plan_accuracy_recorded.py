@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from memdoctor.analysis.summary import build_summary
 from memdoctor.plan.model import Config, Workload, predict, workload
+from memdoctor.report import build_summary
 from memdoctor.trace import load_trace
 
 DATA = Path(__file__).parent / "data" / "accuracy"

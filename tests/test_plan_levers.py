@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from memdoctor.analysis.summary import build_summary
 from memdoctor.cards import CARDS, find_card
 from memdoctor.config import config_for_summary
 from memdoctor.plan import model as M
@@ -27,6 +26,7 @@ from memdoctor.plan.planner import (
     story_baseline,
     truncation_alternative,
 )
+from memdoctor.report import build_summary
 from memdoctor.trace import Trace, load_trace
 from tests.test_plan import hand_workload
 from tests.tracebuilder import GiB

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from memdoctor.analysis.summary import build_summary, peak_step
+from memdoctor.analysis.steps import peak_step
 from memdoctor.cards import find_card
 from memdoctor.plan import rules as R
 from memdoctor.plan.model import workload
 from memdoctor.plan.planner import Target
+from memdoctor.report import build_summary
 from memdoctor.trace import Trace
 from tests.tracebuilder import GiB, MiB, TraceBuilder, completed_trace, tiny_mlp
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memdoctor.analysis import build_summary
-from memdoctor.report import render_report, write_report
+from memdoctor.report import build_summary, render_report, write_report
 from memdoctor.trace import load_trace
 
 DATA = Path(__file__).parent / "data"

@@ -13,9 +13,8 @@ import matplotlib
 import pytest
 from tracebuilder import GiB, TraceBuilder, bert_like, completed_trace, oom_trace
 
-from memdoctor.analysis import build_summary
 from memdoctor.errors import OutputError
-from memdoctor.report import render_report, summary_json, write_report
+from memdoctor.report import build_summary, render_report, summary_json, write_report
 from memdoctor.report.render import environment, template_dir
 from memdoctor.trace import Trace
 

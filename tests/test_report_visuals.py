@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from memdoctor.analysis.heatmap import COLUMNS, MAX_ROWS, heatmap, why_not
-from memdoctor.analysis.summary import build_summary, layer_table, peak_step, timeline_series
-from memdoctor.plan import summarize as plan_section
+from memdoctor.analysis.layers import layer_table
+from memdoctor.analysis.steps import peak_step, timeline_series
 from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
-from memdoctor.report import plots, plots_heatmap, plots_plan
+from memdoctor.report import build_summary, plots, plots_heatmap, plots_plan
 from memdoctor.report.render import report_context
+from memdoctor.report.sections import plan as plan_section
 from memdoctor.trace import Trace, load_trace
 from tests.test_plan import hand_workload
 from tests.tracebuilder import TraceBuilder, completed_trace, tiny_mlp

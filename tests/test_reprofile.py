@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from memdoctor import exitcodes
-from memdoctor.analysis.summary import build_summary
 from memdoctor.cli import main, parse_args, reprofile_profile
 from memdoctor.launch.reprofile import needed, reprofile
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
@@ -25,6 +24,7 @@ from memdoctor.plan.reprofiled import (
     reprofiled_workload,
     unmeasured_modules,
 )
+from memdoctor.report import build_summary
 from memdoctor.trace import Trace, load_trace, save_trace
 
 GiB = 1024**3

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 from tracebuilder import GiB, MiB, TraceBuilder, bert_like, completed_trace, oom_trace, tiny_mlp
 
-from memdoctor.analysis import build_summary, layer_table, peak_step, timeline_series, top_layers
-from memdoctor.analysis.summary import headline, live_at_fault, module_stack, subtree_sums
+from memdoctor.analysis import layer_table, peak_step, timeline_series, top_layers
+from memdoctor.analysis.faults import live_at_fault, module_stack
+from memdoctor.analysis.headline import headline
+from memdoctor.analysis.layers import subtree_sums
+from memdoctor.report import build_summary
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
@@ -369,7 +372,7 @@ def test_timeline_series_is_plot_ready(bert: Trace) -> None:
 
 
 def test_phase_spans_colour_the_interval_that_ends_at_each_sample() -> None:
-    from memdoctor.analysis.summary import phase_spans
+    from memdoctor.analysis.steps import phase_spans
 
     # the step opens after the last step's optimizer step: 200 ms of data loading ("other"), then
     # the forward and the backward

@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from tracebuilder import TraceBuilder, tiny_mlp
 
-from memdoctor.analysis import build_summary
 from memdoctor.capture import transfers
 from memdoctor.capture.collectors import CollectorUnavailable
 from memdoctor.capture.session import ProfileSession
 from memdoctor.capture.transfers import COPY_CAP, TransferCollector
 from memdoctor.device import Device
-from memdoctor.report import render_report
+from memdoctor.report import build_summary, render_report
 from memdoctor.trace import StepRecord, load_trace
 
 DATA = Path(__file__).parent / "data"

@@ -12,8 +12,7 @@ import pytest
 from tracebuilder import TraceBuilder, completed_trace, tiny_mlp
 
 from memdoctor import exitcodes
-from memdoctor.analysis.summary import build_summary
-from memdoctor.analysis.verified import report_section, verified
+from memdoctor.analysis.verified import verified
 from memdoctor.cli import main, parse_args
 from memdoctor.config import config_for_summary, load_config
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
@@ -26,7 +25,9 @@ from memdoctor.launch.verify import (
     verify,
 )
 from memdoctor.plan.model import corrected_workload
+from memdoctor.report import build_summary
 from memdoctor.report.render import render_report
+from memdoctor.report.sections.verify import report_section
 from memdoctor.trace import Trace, load_trace, save_trace
 
 GiB = 1024**3

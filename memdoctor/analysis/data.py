@@ -223,9 +223,9 @@ def traits_class(
         return {"class": "dynamic shapes", "level": level, "evidence": evidence}
     if padding is not None and padding >= PADDING_NOTABLE:
         level = "high" if padding >= PADDING_HIGH else "medium"
-        evidence = f"every batch has the same shape, {_shape_text(batches[0][1])}{pad_text}"
+        evidence = f"every batch has the same shape, {shape_text(batches[0][1])}{pad_text}"
         return {"class": "padded variable-length", "level": level, "evidence": evidence}
-    evidence = f"every batch has the same shape, {_shape_text(batches[0][1])}{pad_text}"
+    evidence = f"every batch has the same shape, {shape_text(batches[0][1])}{pad_text}"
     return {"class": "fixed-shape", "level": "low", "evidence": evidence}
 
 
@@ -233,7 +233,7 @@ def _signature(shapes: dict[str, list[int]]) -> tuple[tuple[str, tuple[int, ...]
     return tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
 
 
-def _shape_text(batch: dict[str, Any]) -> str:
+def shape_text(batch: dict[str, Any]) -> str:
     return ", ".join(f"{k} {'×'.join(map(str, v)) or 'scalar'}" for k, v in _shapes(batch).items())
 
 
@@ -269,7 +269,7 @@ def data_not_measured(trace: Trace, steps: list[tuple[StepRecord, dict[str, Any]
     return notes
 
 
-# ----------------------------------------------------------------------------------------- report
+# ----------------------------------------------------------------------------------------- lengths
 
 
 def all_lengths(trace: Trace) -> list[int]:
@@ -291,24 +291,3 @@ def padded_lengths(trace: Trace) -> list[int]:
             if tokens and rows and not b.get("lengths_sampled") and tokens % rows == 0:
                 out.add(tokens // rows)
     return sorted(out)
-
-
-def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
-    """The data section's context: wait per step against step time, padding and lengths, traits."""
-    data = summary.get("data")
-    if not isinstance(data, dict):
-        return None
-    from memdoctor.report import plots_data  # the report layer draws; analysis stays importable alone
-
-    lengths = all_lengths(trace)
-    return {
-        **data,
-        "wait_fraction": summary.get("dataloader_wait_fraction"),
-        "padding_fraction": summary.get("padding_fraction"),
-        "wait_chart": plots_data.wait_chart(data["steps"]) if data["wait"] else None,
-        "length_chart": plots_data.length_histogram(lengths, padded_lengths(trace), data["lengths"]),
-        "shape_rows": [
-            {"step": row["step"], "shapes": [_shape_text({"shapes": s}) for s in row["shapes"]]}
-            for row in data["steps"]
-        ],
-    }

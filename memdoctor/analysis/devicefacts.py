@@ -1,7 +1,7 @@
 """The "Device" section: what card the run had, read from the trace's ``device`` collector record.
 
 ``summarize`` extends ``summary.json``'s ``device`` object (its existing keys are left as they are);
-``report_section`` gives the facts table and the list of what could not be measured. A trace without
+``record_fields`` and ``bandwidth_rows`` are the rest of what the report's section shows. A trace without
 the record (an older memdoctor, ``--collect`` without ``device``) keeps what its header says:
 torch's capability and bf16 answer, nothing invented.
 """
@@ -52,49 +52,26 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
         device["bf16_native"] = device["capability"] >= [8, 0]
 
 
-def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
-    """Facts table rows and the not-measured notes; None when the trace has no device record."""
+def record_fields(trace: Trace) -> dict[str, Any] | None:
+    """The record's facts that ``summary.json`` leaves out (the name and total memory as the record
+    says them, cuDNN, torch, the other processes, what it could not measure), each checked; None when
+    the trace has no device record."""
     rec = facts(trace)
     if rec is None:
         return None
-    dev = summary.get("device") or {}
     return {
-        "rows": _rows(rec, dev),
+        "name": _text(rec.get("name")),
+        "total_memory_bytes": _count(rec.get("total_memory_bytes")),
+        "cudnn_version": _text(rec.get("cudnn_version")),
+        "torch_version": _text(rec.get("torch_version")),
         "processes": _processes(rec.get("other_processes")),
-        "bandwidth": _bandwidth_rows(dev.get("bandwidth"), (dev.get("pcie") or {}).get("link_bytes_per_s")),
         "not_measured": [str(n) for n in rec.get("not_measured") or [] if isinstance(n, str)],
     }
 
 
-def _rows(rec: dict[str, Any], dev: dict[str, Any]) -> list[dict[str, Any]]:
-    """``{label, value, unit}`` rows (``unit``: ``bytes``, ``rate`` or ``text``); unknown ones left out."""
-    pcie = dev.get("pcie") or {}
-    link = None
-    if pcie.get("gen") is not None:
-        link = (
-            f"Gen{pcie['gen']} x{pcie.get('width')} (max Gen{pcie.get('gen_max')} x{pcie.get('width_max')})"
-        )
-    cap = dev.get("capability")
-    rows = [
-        ("name", _text(rec.get("name")), "text"),
-        ("total memory", _count(rec.get("total_memory_bytes")), "bytes"),
-        ("free at start", dev.get("free_memory_bytes"), "bytes"),
-        ("used by other processes", dev.get("used_by_others_bytes"), "bytes"),
-        ("compute capability", ".".join(str(c) for c in cap) if cap else None, "text"),
-        ("bf16", _bf16_text(dev.get("bf16_supported"), dev.get("bf16_native")), "text"),
-        ("NVIDIA driver", dev.get("driver_version"), "text"),
-        ("CUDA (driver supports / torch built with)", _pair(dev), "text"),
-        ("cuDNN", _text(rec.get("cudnn_version")), "text"),
-        ("torch", _text(rec.get("torch_version")), "text"),
-        ("PCIe link", link, "text"),
-        ("PCIe link bandwidth (max, each way)", pcie.get("link_bytes_per_s"), "rate"),
-    ]
-    return [
-        {"label": label, "value": value, "unit": unit} for label, value, unit in rows if value is not None
-    ]
-
-
-def _bandwidth_rows(bw: dict[str, Any] | None, link: Any) -> list[dict[str, Any]]:
+def bandwidth_rows(bw: dict[str, Any] | None, link: Any) -> list[dict[str, Any]]:
+    """The measured copy rates, one row per direction and host memory kind, each as a share of the
+    link's rate where that is known."""
     if not bw:
         return []
     out = []
@@ -122,21 +99,6 @@ def _processes(value: Any) -> list[dict[str, Any]] | None:
         for p in value
         if isinstance(p, dict)
     ]
-
-
-def _bf16_text(supported: bool | None, native: bool | None) -> str | None:
-    if supported is None and native is None:
-        return None
-    if native:
-        return "native (compute capability 8.0 or later)"
-    if supported:
-        return "emulated only (torch accepts bf16, but this GPU has no native bf16: slow)"
-    return "not supported"
-
-
-def _pair(dev: dict[str, Any]) -> str | None:
-    a, b = dev.get("cuda_driver_version"), dev.get("cuda_runtime_version")
-    return None if a is None and b is None else f"{a or 'unknown'} / {b or 'unknown'}"
 
 
 # A trace is untrusted input: every value is checked before the report uses it.

@@ -4,7 +4,8 @@ device's roofline (the nine-grid's "compute intensity" axis).
 Reads the one step the ``flops`` collector measured (``step.collectors.flops``): FLOPs by torch's
 counter, bytes as the sum of every op's tensor inputs and outputs. Kernels that fuse ops move less, so
 the bytes are an upper bound and the arithmetic intensity (FLOPs / byte) a lower bound. The class
-compares it with the device's ridge point, peak FLOP/s / memory bandwidth from the vendor's datasheet:
+compares it with the device's ridge point, peak FLOP/s / memory bandwidth from the vendor's datasheet
+(``memdoctor.cards``):
 
 * ``low``: below a quarter of the ridge point, the step is memory-bound (bandwidth limits it);
 * ``medium``: between a quarter of the ridge point and the ridge point;
@@ -20,35 +21,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from memdoctor.analysis import sections
+from memdoctor.analysis.notes import collector_note
+from memdoctor.cards import device_peaks
 from memdoctor.trace import ModelInfo, StepRecord, Trace
 
 NAME = "flops"
 LOW_SHARE = 0.25  # below this share of the ridge point: memory-bound ("low")
-TOP_MODULES = 20
-
-# Dense peak FLOP/s per dtype (tensor cores for 16-bit, FP32 without TF32: PyTorch's default for
-# float32 matmuls) and memory bandwidth (bytes/s), from the vendors' datasheets; no sparsity. Matched
-# as a case-insensitive substring of the device name, first match wins (specific names first).
-DEVICE_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H200 NVL", {"float32": 60e12, "bfloat16": 835e12, "float16": 835e12, "bandwidth": 4.8e12}),
-    ("H200", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "bandwidth": 4.8e12}),
-    ("H100 PCIe", {"float32": 51e12, "bfloat16": 756e12, "float16": 756e12, "bandwidth": 2.0e12}),
-    ("H100 NVL", {"float32": 60e12, "bfloat16": 835e12, "float16": 835e12, "bandwidth": 3.9e12}),
-    ("H100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "bandwidth": 3.35e12}),
-    ("A100-SXM4-80GB", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12, "bandwidth": 2.039e12}),
-    ("A100 80GB PCIe", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12, "bandwidth": 1.935e12}),
-    ("A100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12, "bandwidth": 1.555e12}),
-    ("V100", {"float32": 15.7e12, "float16": 125e12, "bandwidth": 0.9e12}),
-    ("L40S", {"float32": 91.6e12, "bfloat16": 362e12, "float16": 362e12, "bandwidth": 0.864e12}),
-    ("L4", {"float32": 30.3e12, "bfloat16": 121e12, "float16": 121e12, "bandwidth": 0.3e12}),
-    ("T4", {"float32": 8.1e12, "float16": 65e12, "bandwidth": 0.32e12}),
-    # GeForce cards: 16-bit tensor-core rate with FP32 accumulation (what PyTorch uses).
-    ("RTX 2070", {"float32": 7.5e12, "float16": 29.9e12, "bandwidth": 0.448e12}),
-    ("RTX 3090", {"float32": 35.6e12, "bfloat16": 71e12, "float16": 71e12, "bandwidth": 0.936e12}),
-    ("RTX 4090", {"float32": 82.6e12, "bfloat16": 165.2e12, "float16": 165.2e12, "bandwidth": 1.008e12}),
-)
-
 
 # ----------------------------------------------------------------------------------------- the measured step
 
@@ -61,7 +39,7 @@ def flop_step(trace: Trace) -> StepRecord | None:
 
 def not_measured_reason(trace: Trace) -> str:
     """Why a trace has no FLOP count, in one sentence for the report."""
-    note = sections.collector_note(trace.header.get("not_measured"), NAME)
+    note = collector_note(trace.header.get("not_measured"), NAME)
     if note is not None:
         return note
     for event in trace.events:
@@ -100,15 +78,6 @@ def _intensity(flops: Any, nbytes: Any) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------- the device
-
-
-def device_peaks(name: str | None) -> tuple[str, dict[str, float]] | None:
-    """``(matched key, peaks)`` for a device name from ``DEVICE_PEAKS``, or None for an unknown device."""
-    low = (name or "").lower()
-    for key, peaks in DEVICE_PEAKS:
-        if key.lower() in low:
-            return key, peaks
-    return None
 
 
 def dominant_dtype(data: dict[str, Any]) -> str | None:
@@ -263,23 +232,10 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
         row["arithmetic_intensity"] = intensity
 
 
-def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
-    """The compute section's context; ``measured`` False carries the reason it was not measured."""
-    compute = summary.get("compute")
+def module_table(trace: Trace, compute: dict[str, Any]) -> list[dict[str, Any]]:
+    """``compute_modules`` of the measured step, each module's share of the model's (forward +
+    backward) FLOPs; empty where no step was counted."""
     step = flop_step(trace)
-    if compute is None or step is None:
-        return {"measured": False, "reason": not_measured_reason(trace)}
-    from memdoctor.report import plots_compute  # the report layer draws; analysis stays importable without it
-
-    model_flops = compute["flops"]["forward"] + compute["flops"]["backward"]
-    modules = compute_modules(trace, step, model_flops)
-    roof = compute["roofline"]
-    return {
-        "measured": True,
-        "c": compute,
-        "modules": modules[:TOP_MODULES],
-        "more_modules": max(0, len(modules) - TOP_MODULES),
-        "chart": plots_compute.intensity_scatter(
-            modules, roof["ridge_point"] if roof else None, compute["arithmetic_intensity"]
-        ),
-    }
+    if step is None:
+        return []
+    return compute_modules(trace, step, compute["flops"]["forward"] + compute["flops"]["backward"])

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from memdoctor.analysis.summary import timeline_series, top_layer_modules
+from memdoctor.analysis.layers import top_layer_modules
+from memdoctor.analysis.steps import timeline_series
 from memdoctor.trace import ModelInfo, StepRecord, Trace
 
 MAX_ROWS = 48

@@ -3,7 +3,8 @@
 Reads ``step.collectors["transfers"]`` of the profiled steps (see ``memdoctor.capture.transfers``)
 and the ``device`` record's measured bandwidth. ``summarize`` adds ``h2d_bytes_per_step``,
 ``d2h_bytes_per_step`` (medians over the profiled steps) and the ``transfers`` object; all are null
-when the trace did not measure transfers.
+when the trace did not measure transfers. ``link_figures``, ``pcie_samples`` and ``collector_notes``
+are the rest of what the report's section shows.
 """
 
 from __future__ import annotations
@@ -157,37 +158,17 @@ def _module_name(trace: Trace, model: Any, module: Any) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------- report
+# ----------------------------------------------------------------------------------------- report data
 
 
-def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
-    """Per-step bytes and time, the biggest copies and sync reads by where they happen, pageable vs
-    pinned, and the measured bandwidth against the link's; None when transfers were not measured."""
-    xfer = summary.get("transfers")
-    if not xfer:
-        return None
-    # Imported here: memdoctor.report imports the analysis, so a top-level import would be a cycle.
-    from memdoctor.report import plots_transfers
-
-    return {
-        "x": xfer,
-        "h2d_bytes_per_step": summary.get("h2d_bytes_per_step"),
-        "d2h_bytes_per_step": summary.get("d2h_bytes_per_step"),
-        "link": _link(trace, summary),
-        "chart": plots_transfers.bytes_per_step(xfer["steps"]),
-        "pcie_chart": plots_transfers.pcie_throughput(pcie_samples(trace)),
-        "notes": _notes(trace),
-    }
-
-
-def _notes(trace: Trace) -> list[str]:
+def collector_notes(trace: Trace) -> list[str]:
     """What the transfers collector said it could not measure (its run-wide record)."""
     rec = trace.collected.get(NAME)
     notes = rec.get("not_measured") if isinstance(rec, dict) else None
     return [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
 
 
-def _link(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
+def link_figures(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
     """The measured bandwidth and the link's, and what the step's bytes cost at the measured rate."""
     dev = summary.get("device") or {}
     bw = dev.get("bandwidth") or {}

@@ -3,7 +3,8 @@
 ``--verify`` (``memdoctor.launch.verify``) writes a run-wide ``collector`` record named ``verify`` into
 the first run's trace: one entry per verified round (the config applied, its predicted and measured
 peak and step time). ``summarize`` turns the last round into ``summary.json``'s ``verified`` (null when
-the run was not verified); ``report_section`` gives the table and the bar chart. Pure data: no torch.
+the run was not verified); ``verify_record`` and ``rounds_with_error`` are what the report's section
+shows. Pure data: no torch.
 """
 
 from __future__ import annotations
@@ -117,30 +118,30 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
     summary["verified"] = verified(trace)
 
 
-def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | None:
-    """The rounds, the chart and why verification stopped; None when the run was not verified."""
+def verify_record(trace: Trace) -> dict[str, Any] | None:
+    """The verify record's run-wide fields (why it was skipped or stopped, the budget, the round limit,
+    the OOM floor); a run profiled with a plan applied is itself a verify round, and says so. None when
+    the run was not verified."""
     record = trace.collected.get(RECORD_NAME)
     if not isinstance(record, dict) and trace.header.get("applied_config") is not None:
         record = {"skipped": APPLIED_NOTE}
     if not isinstance(record, dict):
         return None
-    rows = rounds(trace)
-    for r in rows:
-        r["peak_error"] = peak_error(r["measured_peak_bytes"], r["predicted_peak_bytes"])
-    budget = _number(record.get("budget_bytes"))
-    from memdoctor.report.plots_verify import peak_bars  # the report layer draws (matplotlib)
-
     return {
         "skipped": record.get("skipped"),
         "stopped": record.get("stopped"),
-        "rounds": rows,
-        "final": (chosen_round(rows) or rows[-1]) if rows else None,
-        "budget_bytes": budget,
+        "budget_bytes": _number(record.get("budget_bytes")),
         "max_rounds": _number(record.get("max_rounds")),
         "oom_floor": _number(record.get("oom_floor")),
-        "compared_min_gain": COMPARED_MIN_GAIN,
-        "chart": peak_bars(rows, budget),
     }
+
+
+def rounds_with_error(trace: Trace) -> list[dict[str, Any]]:
+    """``rounds`` with each round's ``peak_error``, for the report's table."""
+    rows = rounds(trace)
+    for r in rows:
+        r["peak_error"] = peak_error(r["measured_peak_bytes"], r["predicted_peak_bytes"])
+    return rows
 
 
 def _number(value: Any) -> Any:

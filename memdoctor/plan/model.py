@@ -18,7 +18,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from memdoctor.analysis.summary import layer_table, peak_step, repeated_blocks
+from memdoctor.analysis.layers import layer_table, repeated_blocks
+from memdoctor.analysis.steps import peak_step
 from memdoctor.trace import Trace
 
 # Autocast (bf16/fp16): activations saved by matmul-type modules and the elementwise ops that consume
@@ -1001,7 +1002,7 @@ def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tup
     time; it shrinks by the datasheet 16-bit / fp32 peak ratio of the target card (else the profiled
     GPU), at ``AMP_TENSOR_EFFICIENCY`` of the 16-bit peak; the rest runs in ``AMP_OTHER_TIME_FACTOR``
     of its time. Without a FLOP count or a known device: the flat factor by compute class."""
-    from memdoctor.analysis.flops import device_peaks  # the datasheet table lives with the roofline
+    from memdoctor.cards import device_peaks
 
     found = device_peaks(card or w.device_name)
     dtype = "bfloat16" if precision == "bf16" else "float16"

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memdoctor.analysis.summary import repeated_blocks
+from memdoctor.analysis.layers import repeated_blocks
 from memdoctor.cards import CARDS, Card
 from memdoctor.plan.model import (
     PAD_MULTIPLE,

@@ -23,7 +23,8 @@ import dataclasses
 import re
 from typing import Any
 
-from memdoctor.analysis.summary import layer_table, peak_step
+from memdoctor.analysis.layers import layer_table
+from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.model import Candidate, Padding, ParamHolder, Workload, measured_workload
 from memdoctor.trace import Trace
 from memdoctor.units import first_names

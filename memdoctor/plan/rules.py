@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memdoctor.analysis.summary import peak_step
+from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.model import (
     AMP_ACTIVATION_FACTOR,
     AMP_WEIGHT_CACHE_FACTOR,

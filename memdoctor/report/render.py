@@ -21,17 +21,21 @@ from markupsafe import Markup
 
 from memdoctor.analysis import heatmap as layer_time
 from memdoctor.analysis import nvtx as nvtx_note
-from memdoctor.analysis import sections
-from memdoctor.analysis import summary as an
+from memdoctor.analysis.gradnorms import grad_norm_chart
+from memdoctor.analysis.headline import CATEGORY_LABELS, memory_limit
+from memdoctor.analysis.layers import layer_table, top_layers
+from memdoctor.analysis.notes import collector_note
+from memdoctor.analysis.steps import peak_step, timeline_series
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
 from memdoctor.report import plots, plots_heatmap
+from memdoctor.report.sections import report_sections
+from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, summary_json
 from memdoctor.trace import CATEGORIES, PHASES, Trace
 from memdoctor.units import format_bytes
 from memdoctor.version import __version__
 
 REPORT_FILENAME = "report.html"
-SUMMARY_FILENAME = "summary.json"
 TEMPLATE = "report.html.j2"
 
 
@@ -52,9 +56,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(
-        bytes=format_bytes, pct=format_pct, ms=format_ms, collector_note=sections.collector_note
-    )
+    env.filters.update(bytes=format_bytes, pct=format_pct, ms=format_ms, collector_note=collector_note)
     return env
 
 
@@ -73,11 +75,6 @@ def format_ms(value: float | None) -> str:
     return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.1f} ms"
 
 
-def summary_json(summary: dict[str, Any]) -> str:
-    """``summary.json``'s text: sorted keys, two-space indent, strict JSON."""
-    return json.dumps(summary, sort_keys=True, indent=2, allow_nan=False) + "\n"
-
-
 def embed_json(data: Any) -> Markup:
     """JSON safe inside ``<script type="application/json">``: no raw ``<``, ``>`` or ``&`` can end it."""
     text = json.dumps(data, sort_keys=True, allow_nan=False, separators=(",", ":"))
@@ -90,7 +87,7 @@ def render_report(
 ) -> str:
     """The whole report as one HTML string (``summary`` is computed when not given); ``config_path`` is
     where the plan's ``memdoctor.yaml`` is written, for the command that applies it."""
-    summary = summary if summary is not None else an.build_summary(trace)
+    summary = summary if summary is not None else build_summary(trace)
     context = report_context(trace, summary)
     context["run"]["apply_command"] = apply_command(trace, config_path)
     return environment().get_template(TEMPLATE).render(**context)
@@ -100,7 +97,7 @@ def write_report(trace: Trace, out_dir: Path) -> dict[str, Path]:
     """Write ``report.html``, ``summary.json`` and, when there is a plan, ``memdoctor.yaml`` into ``out_dir``
     (each atomically); return their paths."""
     out_dir = Path(out_dir)
-    summary = an.build_summary(trace)
+    summary = build_summary(trace)
     html = render_report(trace, summary, _relative(str((out_dir / CONFIG_FILENAME).absolute()), os.getcwd()))
     paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
     atomic_write(paths["summary"], summary_json(summary))
@@ -132,9 +129,9 @@ def atomic_write(path: Path, text: str) -> None:
 
 def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     """Everything the template reads: the summary plus tables and plots derived from the trace."""
-    step = an.peak_step(trace)
-    limit, limit_label = an.memory_limit(summary)
-    series = plots.thin_series(an.timeline_series(step)) if step is not None else None
+    step = peak_step(trace)
+    limit, limit_label = memory_limit(summary)
+    series = plots.thin_series(timeline_series(step)) if step is not None else None
     heatmap = layer_time.heatmap(trace, step)
     return {
         "summary": summary,
@@ -143,8 +140,8 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "limit": limit,
         "limit_label": limit_label,
         "categories": category_rows(summary),
-        "layers": an.layer_table(trace, step),
-        "layer_chart": plots.layer_bars(an.top_layers(trace, step)) if step else None,
+        "layers": layer_table(trace, step),
+        "layer_chart": plots.layer_bars(top_layers(trace, step)) if step else None,
         "timeline_chart": plots.timeline(series, limit, limit_label) if series else None,
         "timeline_limit_off_scale": bool(series and limit and plots.limit_off_scale(series, limit)),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
@@ -153,8 +150,8 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "heatmap": heatmap,
         "heatmap_chart": plots_heatmap.layer_heatmap(heatmap),
         "heatmap_missing": layer_time.why_not(trace, step) if heatmap is None else None,
-        "grad_chart": plots.grad_norms(an.grad_norm_chart(trace)),
-        "sections": sections.report_sections(trace, summary),
+        "grad_chart": plots.grad_norms(grad_norm_chart(trace)),
+        "sections": report_sections(trace, summary),
         "steps": summary["steps"],
         "phases": _phase_names(summary),
         "nvtx": nvtx_note.report_note(trace),
@@ -218,7 +215,7 @@ def category_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
             "key": c,
-            "label": an.CATEGORY_LABELS[c],
+            "label": CATEGORY_LABELS[c],
             "bytes": cats.get(c),
             "share": (cats[c] / peak) if peak and cats.get(c) is not None else None,
             "color": plots.COLORS[c],

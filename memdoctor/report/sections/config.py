@@ -1,7 +1,7 @@
 """The report's "Apply the plan" section: ``memdoctor.yaml`` and its exports, ready to copy.
 
 Adds no ``summary.json`` key (the plan is already ``summary["plan"]``); the section only renders the
-plan in the forms a user applies it in (docs/config.md). Pure data: no torch.
+plan in the forms a user applies it in (docs/config.md).
 """
 
 from __future__ import annotations
