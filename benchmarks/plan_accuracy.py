@@ -257,8 +257,11 @@ def profile(args: argparse.Namespace, workload: str, out: Path) -> Path:
 def configs(trace_path: Path, budgets: list[int]) -> list[tuple[str, Any]]:
     """``(label, Prediction)``: the planner's plan at each budget and the fixed what-ifs."""
     from memdoctor.analysis.summary import build_summary
-    from memdoctor.plan.model import Config, predict, workload
-    from memdoctor.plan.planner import Target, block_stack, make_plan
+    from memdoctor.plan.alternatives import block_stack
+    from memdoctor.plan.config import Config
+    from memdoctor.plan.model import predict, workload
+    from memdoctor.plan.planner import make_plan
+    from memdoctor.plan.target import Target
     from memdoctor.trace import load_trace
 
     trace = load_trace(trace_path)

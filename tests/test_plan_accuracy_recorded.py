@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from memdoctor.analysis.summary import build_summary
-from memdoctor.plan.model import Config, Workload, predict, workload
+from memdoctor.plan.config import Config
+from memdoctor.plan.model import predict, workload
+from memdoctor.plan.workload import Workload
 from memdoctor.trace import load_trace
 
 DATA = Path(__file__).parent / "data" / "accuracy"

@@ -14,19 +14,22 @@ import pytest
 from memdoctor.analysis.summary import build_summary
 from memdoctor.cards import CARDS, find_card
 from memdoctor.config import config_for_summary
-from memdoctor.plan import model as M
 from memdoctor.plan import rules as R
-from memdoctor.plan.model import Config, Padding, ParamHolder, predict, workload
+from memdoctor.plan.alternatives import story_baseline
+from memdoctor.plan.config import Config
+from memdoctor.plan.memory import CHECKPOINT_GRADIENT_SHARE, EXPANDABLE_GAP_KEPT
+from memdoctor.plan.model import predict, workload
 from memdoctor.plan.ninegrid import lever_priority
-from memdoctor.plan.planner import (
-    Target,
-    _cost,
-    fits,
-    grad_scaler,
-    make_plan,
-    story_baseline,
-    truncation_alternative,
+from memdoctor.plan.padding import PAD_MULTIPLE, TRIM_MIN_SAVING, Padding
+from memdoctor.plan.planner import grad_scaler, make_plan, truncation_alternative
+from memdoctor.plan.target import Target, cost, fits
+from memdoctor.plan.timing import (
+    AMP_OTHER_TIME_FACTOR,
+    AMP_TENSOR_EFFICIENCY,
+    AMP_TIME_FACTOR,
+    amp_time_factor,
 )
+from memdoctor.plan.workload import ParamHolder
 from memdoctor.trace import Trace, load_trace
 from tests.test_plan import hand_workload
 from tests.tracebuilder import GiB
@@ -104,7 +107,7 @@ def test_the_search_only_offers_padding_levers_that_were_measured() -> None:
     with_pad = make_plan(hand_workload(padding=PAD), tight)
     assert with_pad.chosen is not None
     assert with_pad.chosen.config.padding == "longest", "trimming saves memory and time: taken"
-    assert with_pad.chosen.config.pad_multiple == M.PAD_MULTIPLE
+    assert with_pad.chosen.config.pad_multiple == PAD_MULTIPLE
 
 
 def test_trimming_that_saves_little_is_not_proposed() -> None:
@@ -112,15 +115,15 @@ def test_trimming_that_saves_little_is_not_proposed() -> None:
     trimming is a lever only where the mean batch gets TRIM_MIN_SAVING shorter."""
     # the story's shape: every batch's longest is close to the padded length
     near_full = Padding(padded=512, worst_longest=500, longest=(490, 500, 496), percentiles={"p90": 480.0})
-    assert near_full.ratio("longest", M.PAD_MULTIPLE) < 1.0, "it would lower the peak a little"
+    assert near_full.ratio("longest", PAD_MULTIPLE) < 1.0, "it would lower the peak a little"
     assert not near_full.worth_trimming()
     assert PAD.worth_trimming()  # the mean batch is 23% shorter
     tight = Target(990, margin=0.0)
     plan = make_plan(hand_workload(padding=near_full), tight)
     assert plan.chosen is not None and plan.chosen.config.padding == "as-is"
-    cut = 1.0 - M.TRIM_MIN_SAVING
+    cut = 1.0 - TRIM_MIN_SAVING
     edge = Padding(padded=100, worst_longest=90, longest=(90,) * 3, percentiles={})
-    assert edge.mean_ratio("longest", M.PAD_MULTIPLE) > cut, "96 of 100 after pad_to_multiple_of 8"
+    assert edge.mean_ratio("longest", PAD_MULTIPLE) > cut, "96 of 100 after pad_to_multiple_of 8"
     assert not edge.worth_trimming()
 
 
@@ -177,7 +180,7 @@ def test_expandable_segments_shrink_the_reserved_gap_and_say_it_is_assumed() -> 
     as_is = predict(w, Config(accumulation=2))
     expandable = predict(w, Config(accumulation=2, allocator="expandable"))
     assert as_is.peak_bytes == expandable.peak_bytes
-    assert expandable.reserved_bytes == int(expandable.peak_bytes * (1 + 0.4 * M.EXPANDABLE_GAP_KEPT))
+    assert expandable.reserved_bytes == int(expandable.peak_bytes * (1 + 0.4 * EXPANDABLE_GAP_KEPT))
     assert any("expandable_segments assumed" in a for a in expandable.assumptions)
     assert not any("expandable" in a for a in as_is.assumptions)
 
@@ -208,16 +211,16 @@ def test_each_lever_appears_in_the_assumptions(config: Config, needle: str) -> N
 
 def test_amp_speed_up_from_the_device_capabilities_when_measured() -> None:
     w = hand_workload(device_name="NVIDIA H200", peak_fraction=0.6, compute_class="high")
-    factor, basis = M.amp_time_factor(w, "bf16")
+    factor, basis = amp_time_factor(w, "bf16")
     share = 0.6 * 100.0 / 80.0  # of forward+backward: 0.75
-    speedup = 989 / 67 * M.AMP_TENSOR_EFFICIENCY
-    assert factor == pytest.approx(share / speedup + (1 - share) * M.AMP_OTHER_TIME_FACTOR)
+    speedup = 989 / 67 * AMP_TENSOR_EFFICIENCY
+    assert factor == pytest.approx(share / speedup + (1 - share) * AMP_OTHER_TIME_FACTOR)
     assert basis.startswith("device capabilities: H200 datasheet")
     # a named card's datasheet ratio replaces the profiled GPU's (RTX 2070: fp16 only, 4x fp32)
-    slower, why = M.amp_time_factor(w, "fp16", "GeForce RTX 2070")
+    slower, why = amp_time_factor(w, "fp16", "GeForce RTX 2070")
     assert slower > factor and "RTX 2070" in why
-    flat, why = M.amp_time_factor(hand_workload(compute_class="high"), "bf16")
-    assert flat == M.AMP_TIME_FACTOR["high"] and why.startswith("flat factor")
+    flat, why = amp_time_factor(hand_workload(compute_class="high"), "bf16")
+    assert flat == AMP_TIME_FACTOR["high"] and why.startswith("flat factor")
     p = predict(w, Config(precision="bf16"))
     assert p.time_basis["autocast"] == basis
 
@@ -355,7 +358,7 @@ def test_the_cell_breaks_ties_in_the_planner() -> None:
     assert swapped.chosen.config.attention == "as-is"
     a = predict(w, Config(attention="sdpa"))
     b = predict(w, Config(allocator="expandable"))
-    assert _cost(a) < _cost(b) and _cost(b, ["allocator"]) < _cost(a, ["allocator"])
+    assert cost(a) < cost(b) and cost(b, ["allocator"]) < cost(a, ["allocator"])
 
 
 # ----------------------------------------------------------------------------------------- the story's order
@@ -397,7 +400,7 @@ def test_the_planner_beats_the_story_order_on_recorded_traces(
         assert plan.chosen is not None, (
             f"the story's order fits {target.budget_bytes} but the planner does not"
         )
-        assert _cost(plan.chosen)[0] <= _cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
+        assert cost(plan.chosen)[0] <= cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
         compared += 1
     assert compared >= 4  # not vacuous: the 1B decoder's state alone needs ~16 GiB, the others fit 3-8
 
@@ -425,7 +428,7 @@ def test_mixed_precision_rule_names_the_planned_scaler_and_device_based_cost(
     (f,) = R.mixed_precision(R.RuleInput(trace, summary, w, Target(card.usable_bytes, card)))
     assert "GradScaler(init_scale=2**16, growth_interval=2000)" in f["evidence"]  # window 2^12..2^18
     assert w is not None and w.fwd_bwd_ms and w.step_ms
-    factor, basis = M.amp_time_factor(w, "fp16", card.name)
+    factor, basis = amp_time_factor(w, "fp16", card.name)
     assert basis.startswith("device capabilities: RTX 2070")
     assert f["cost_fraction"] == pytest.approx(w.fwd_bwd_ms * (factor - 1) / w.step_ms, abs=1e-4)
 
@@ -454,6 +457,6 @@ def test_with_the_optimizer_offloaded_the_backward_peak_holds_every_gradient() -
     w = hand_workload()
     on_gpu = predict(w, Config(checkpoint=("block",)))
     offloaded = predict(w, Config(checkpoint=("block",), optimizer="offload"))
-    assert on_gpu.breakdown["gradients"] == 100 * M.CHECKPOINT_GRADIENT_SHARE
+    assert on_gpu.breakdown["gradients"] == 100 * CHECKPOINT_GRADIENT_SHARE
     assert offloaded.breakdown["gradients"] == 100
     assert offloaded.breakdown["optimizer_state"] == 0

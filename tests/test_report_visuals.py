@@ -12,7 +12,9 @@ import pytest
 from memdoctor.analysis.heatmap import COLUMNS, MAX_ROWS, heatmap, why_not
 from memdoctor.analysis.summary import build_summary, layer_table, peak_step, timeline_series
 from memdoctor.plan import summarize as plan_section
-from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
+from memdoctor.plan.alternatives import ALTERNATIVES, alternatives
+from memdoctor.plan.planner import make_plan
+from memdoctor.plan.target import Target
 from memdoctor.report import plots, plots_heatmap, plots_plan
 from memdoctor.report.render import report_context
 from memdoctor.trace import Trace, load_trace

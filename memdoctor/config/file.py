@@ -383,10 +383,10 @@ def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None
     plan = summary.get("plan")
     if not plan:
         return None
-    from memdoctor.plan.model import _batch_size  # the planner's own reading of the measured batch
+    from memdoctor.plan.measure import batch_size  # the planner's own reading of the measured batch
 
     path = getattr(trace, "path", None)  # its file name only: a config must not carry the user's folders
     path = None if path is None else Path(path).name
     return from_plan(
-        plan, trace=trace, trace_path=None if path is None else str(path), batch_size=_batch_size(summary)
+        plan, trace=trace, trace_path=None if path is None else str(path), batch_size=batch_size(summary)
     )

@@ -24,7 +24,9 @@ import re
 from typing import Any
 
 from memdoctor.analysis.summary import layer_table, peak_step
-from memdoctor.plan.model import Candidate, Padding, ParamHolder, Workload, measured_workload
+from memdoctor.plan.measure import measured_workload
+from memdoctor.plan.padding import Padding
+from memdoctor.plan.workload import Candidate, ParamHolder, Workload
 from memdoctor.trace import Trace
 from memdoctor.units import first_names
 

@@ -17,18 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from memdoctor.analysis.summary import peak_step
-from memdoctor.plan.model import (
-    AMP_ACTIVATION_FACTOR,
-    AMP_WEIGHT_CACHE_FACTOR,
-    ATTENTION_SITE,
-    Candidate,
-    Config,
-    Workload,
-    amp_time_factor,
-    predict,
-)
+from memdoctor.plan.alternatives import block_stack
+from memdoctor.plan.config import Config
+from memdoctor.plan.measure import ATTENTION_SITE
+from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR
+from memdoctor.plan.model import predict
 from memdoctor.plan.ninegrid import lever_priority
-from memdoctor.plan.planner import Target, block_stack, fits, grad_scaler
+from memdoctor.plan.planner import grad_scaler
+from memdoctor.plan.target import Target, fits
+from memdoctor.plan.timing import amp_time_factor
+from memdoctor.plan.workload import Candidate, Workload
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 

@@ -15,12 +15,15 @@ from memdoctor.analysis.data import PADDING_HIGH, PADDING_NOTABLE
 from memdoctor.analysis.flops import LOW_SHARE
 from memdoctor.analysis.verified import chosen_round, rounds
 from memdoctor.cards import CONTEXT_RESERVE_BYTES
-from memdoctor.plan.model import corrected_workload, workload
+from memdoctor.plan.alternatives import alternatives
+from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW, ninegrid, priority
-from memdoctor.plan.planner import Target, alternatives, card_table, make_plan
+from memdoctor.plan.planner import card_table, make_plan
 from memdoctor.plan.reprofiled import advice as reprofile_advice
 from memdoctor.plan.reprofiled import summary_record as reprofile_record
 from memdoctor.plan.rules import RuleInput, run_rules
+from memdoctor.plan.target import Target
+from memdoctor.plan.workload import corrected_workload
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
