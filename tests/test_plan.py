@@ -121,7 +121,7 @@ def test_nested_checkpoints_are_not_double_counted() -> None:
 
 
 def test_micro_batch_scales_activations_and_temporaries_only() -> None:
-    p = predict(hand_workload(), Config(accumulation=2))
+    p = predict(hand_workload(), Config(accumulation_steps=2))
     assert p.breakdown == {
         "parameters": 100,
         "gradients": 100,
@@ -136,7 +136,7 @@ def test_micro_batch_scales_activations_and_temporaries_only() -> None:
 
 
 def test_accumulation_cost_follows_the_measured_compute_class() -> None:
-    p = predict(hand_workload(compute_class="high"), Config(accumulation=4))
+    p = predict(hand_workload(compute_class="high"), Config(accumulation_steps=4))
     assert p.time_parts["accumulation"] == pytest.approx(80.0 * ACCUMULATION_FIXED_SHARE["high"] * 3)
 
 
@@ -158,7 +158,7 @@ def test_optimizer_levers() -> None:
 
 def test_model_state_floor_and_reserved_ratio() -> None:
     w = hand_workload(activations=10, temporaries=0, reserved_ratio=1.5)
-    p = predict(w, Config(accumulation=2))
+    p = predict(w, Config(accumulation_steps=2))
     # the optimizer step's own peak: params + all gradients + state + fixed + foreach Adam's temporaries
     assert p.peak_bytes == 100 + 100 + 200 + 50 + 100 * OPTIMIZER_STEP_TEMP_FACTOR
     w2 = hand_workload(activations=0, temporaries=0, fixed=50, reserved_ratio=1.5)

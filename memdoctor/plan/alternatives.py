@@ -104,13 +104,13 @@ def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | No
 def _story_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
     """The cumulative configs of the story's order (checkpoints are chosen per stage by the caller)."""
     holders = tuple(h.name for h in w.param_holders)
-    config = Config() if checkpointing else Config(optimizer="offload", offload=holders)
+    config = Config() if checkpointing else Config(optimizer="offload", offload_parameters=holders)
     stages = [config]
     if w.padding is not None:
-        config = dataclasses.replace(config, padding="longest", pad_multiple=PAD_MULTIPLE)
+        config = dataclasses.replace(config, padding="trim", pad_to_multiple_of=PAD_MULTIPLE)
         stages.append(config)
     for a in accumulations(w)[1:]:
-        config = dataclasses.replace(config, accumulation=a)
+        config = dataclasses.replace(config, accumulation_steps=a)
         stages.append(config)
     precision = "bf16" if target.bf16(w) else "fp16" if w.precision_verdict == "fp16_safe" else None
     if precision:

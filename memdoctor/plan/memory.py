@@ -6,7 +6,7 @@ calibrated on the GPU by ``benchmarks/plan_accuracy.py``.
 
 from __future__ import annotations
 
-from memdoctor.plan.config import Config
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.workload import Candidate, Workload
 
 # Autocast (bf16/fp16): activations saved by matmul-type modules and the elementwise ops that consume
@@ -53,8 +53,8 @@ def memory_parts(
             "temporaries": w.temporaries,
             "fixed": w.fixed,
         }
-    scale = 1.0 / config.accumulation
-    if config.accumulation > 1:
+    scale = 1.0 / config.accumulation_steps
+    if config.accumulation_steps > 1:
         assumptions.append("activations and temporaries scale linearly with the micro-batch size")
     seq = padding_scale(w, config, assumptions)
     amp = activation_scale(w, config) / scale / seq
@@ -72,7 +72,7 @@ def memory_parts(
             "the largest block's activations come back while it is recomputed in backward"
         )
     params, grads = offloaded_state(w, config, assumptions)
-    if chosen and config.accumulation == 1 and config.optimizer != "offload":
+    if chosen and config.accumulation_steps == 1 and config.optimizer != "offload":
         grads = checkpointed_gradients(grads, config)
         assumptions.append(
             f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
@@ -94,18 +94,18 @@ def memory_parts(
 def activation_scale(w: Workload, config: Config) -> float:
     """What the micro-batch, the padding policy and autocast multiply the measured activations by."""
     amp = 1.0 - w.amp_share * (1.0 - AMP_ACTIVATION_FACTOR) if config.precision != "fp32" else 1.0
-    return amp * padding_scale(w, config) / config.accumulation
+    return amp * padding_scale(w, config) / config.accumulation_steps
 
 
 def padding_scale(w: Workload, config: Config, assumptions: list[str] | None = None) -> float:
     """Padded length of the largest measured batch under the policy / as profiled (1: unchanged)."""
     if config.padding == "as-is" or w.padding is None:
         return 1.0
-    ratio = w.padding.ratio(config.padding, config.pad_multiple)
+    ratio = w.padding.ratio(config.padding, config.multiple())
     if assumptions is not None:
         assumptions.append(
             f"padding policy {config.padding}: the largest measured batch would be padded to "
-            f"{w.padding.length(config.padding, w.padding.worst_longest, config.pad_multiple)} of "
+            f"{w.padding.length(config.padding, w.padding.worst_longest, config.multiple())} of "
             f"{w.padding.padded} positions; activations and temporaries scale linearly with the length "
             "(attention scores shrink with its square: an upper bound)"
         )
@@ -125,7 +125,7 @@ def _temporaries_left(w: Workload, config: Config, assumptions: list[str]) -> in
 
 def offloaded_state(w: Workload, config: Config, assumptions: list[str]) -> tuple[int, int]:
     """Parameters and gradients left on the GPU when the chosen modules' parameters live on the CPU."""
-    held = [h for h in w.param_holders if h.name in set(config.offload)]
+    held = [h for h in w.param_holders if h.name in set(config.offload_parameters)]
     if not held:
         return w.parameters, w.gradients
     largest = max(h.param_bytes for h in held)
@@ -171,7 +171,7 @@ def checkpointed_gradients(grads: int, config: Config) -> int:
     them with the optimizer offloaded: without the optimizer step's own peak the backward's last blocks
     set it, when nearly every gradient exists (the 0.95B decoder's offload plan on the H200 peaked in
     block 1's backward holding 3.12 of its 3.06-3.5 GiB of gradients; BENCHMARKS.md, "Offload")."""
-    if config.accumulation == 1 and config.optimizer != "offload":
+    if config.accumulation_steps == 1 and config.optimizer != "offload":
         return int(grads * CHECKPOINT_GRADIENT_SHARE)
     return grads
 
@@ -182,7 +182,7 @@ def reserved_ratio(w: Workload, config: Config) -> float:
     ratio = w.reserved_ratio
     if config != Config():
         ratio = max(ratio, CHECKPOINT_RESERVED_RATIO if config.checkpoint else CHANGED_RESERVED_RATIO)
-    if config.allocator == "expandable":
+    if config.allocator == EXPANDABLE_SEGMENTS:
         ratio = 1.0 + (ratio - 1.0) * EXPANDABLE_GAP_KEPT
     return ratio * w.memory_correction
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memdoctor.plan.config import Config
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.memory import (
     EXPANDABLE_GAP_KEPT,
@@ -79,7 +79,7 @@ def predict(
     allocated = sum(parts.values())
     floor = step_floor(w, config, parts, assumptions)
     if config != Config():
-        if not (chosen and config.accumulation == 1):
+        if not (chosen and config.accumulation_steps == 1):
             assumptions.append(
                 "gradients counted in full alongside the remaining activations (they are, from the "
                 "second micro-batch on)"
@@ -93,7 +93,7 @@ def predict(
         )
     elif ratio > 1.0:
         assumptions.append(f"reserved memory = allocated x {ratio:.3f}, the measured ratio at the peak")
-    if config.allocator == "expandable" and w.reserved_ratio > 1.0:
+    if config.allocator == EXPANDABLE_SEGMENTS and w.reserved_ratio > 1.0:
         assumptions[-1] = (
             f"expandable_segments assumed to keep {EXPANDABLE_GAP_KEPT:.0%} of the measured reserved - "
             f"allocated gap: reserved = allocated x {ratio:.3f} instead of the measured "

@@ -52,7 +52,7 @@ class Padding:
 
     def worth_trimming(self) -> bool:
         """Does trimming to the longest save enough to pay for batches that change shape?"""
-        return self.mean_ratio("longest", PAD_MULTIPLE) <= 1.0 - TRIM_MIN_SAVING
+        return self.mean_ratio("trim", PAD_MULTIPLE) <= 1.0 - TRIM_MIN_SAVING
 
 
 def padding_facts(trace: Trace, summary: dict[str, Any]) -> tuple[Padding | None, str | None]:

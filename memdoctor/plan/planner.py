@@ -112,7 +112,7 @@ def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: 
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
     for tier in (tier_one(w, target), tier_two(w, target)):
-        tier = [c for c in tier if not (avoid == "accumulation" and c.accumulation > 1)]
+        tier = [c for c in tier if not (avoid == "accumulation" and c.accumulation_steps > 1)]
         found = [
             p for p in (with_checkpoints(w, c, target, avoid != "checkpoint") for c in tier) if p is not None
         ]
@@ -208,9 +208,9 @@ def _caveats(w: Workload, p: Prediction) -> list[str]:
             "the profiled step died before it finished, so modules that had not run are missing from the "
             "ledger: re-profile at the planned micro-batch to confirm"
         )
-    if p.config.accumulation > 1:
+    if p.config.accumulation_steps > 1:
         out.append(
-            f"keep the effective batch: accumulate gradients over {p.config.accumulation} micro-batches"
+            f"keep the effective batch: accumulate gradients over {p.config.accumulation_steps} micro-batches"
         )
     return out
 
@@ -255,7 +255,7 @@ def truncation_alternative(w: Workload, target: Target) -> Prediction | None:
         if policy not in w.padding.percentiles:
             continue
         configs = [
-            dataclasses.replace(c, padding=policy, pad_multiple=PAD_MULTIPLE)
+            dataclasses.replace(c, padding=policy, pad_to_multiple_of=PAD_MULTIPLE)
             for c in tier_one(w, target) + tier_two(w, target)
             if c.padding == "as-is"
         ]

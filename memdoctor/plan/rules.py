@@ -264,7 +264,7 @@ def parameter_offload(x: RuleInput) -> list[Finding]:
     if held < PARAM_OFFLOAD_SHARE * t.budget_bytes:
         return []
     names = tuple(h.name for h in w.param_holders)
-    moved = predict(w, Config(offload=names), offload_bytes_per_s=t.link(w))
+    moved = predict(w, Config(offload_parameters=names), offload_bytes_per_s=t.link(w))
     left = moved.breakdown["parameters"] + moved.breakdown["gradients"]
     saving = w.parameters + w.gradients - left
     if saving <= 0:

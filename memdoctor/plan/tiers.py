@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from memdoctor.plan.config import Config
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.padding import PAD_MULTIPLE
 from memdoctor.plan.target import Target
 from memdoctor.plan.workload import Workload
@@ -24,17 +24,15 @@ def _free_levers(w: Workload) -> list[dict[str, Any]]:
     memory-efficient attention, expandable segments, and parameter offload of the largest, least
     compute-heavy holders; each only where the trace measured what it acts on."""
     trims = (
-        w.padding is not None
-        and w.padding.ratio("longest", PAD_MULTIPLE) < 1.0
-        and w.padding.worth_trimming()
+        w.padding is not None and w.padding.ratio("trim", PAD_MULTIPLE) < 1.0 and w.padding.worth_trimming()
     )
-    paddings = [("as-is", 1)] + ([("longest", PAD_MULTIPLE)] if trims else [])
-    attention = ["as-is"] + (["sdpa"] if w.attention_temporaries > 0 else [])
-    allocator = ["as-is"] + (["expandable"] if w.reserved_ratio > 1.0 else [])
+    paddings: list[tuple[str, int | None]] = [("as-is", None)] + ([("trim", PAD_MULTIPLE)] if trims else [])
+    attention: list[str | None] = [None] + (["sdpa"] if w.attention_temporaries > 0 else [])
+    allocator: list[str | None] = [None] + ([EXPANDABLE_SEGMENTS] if w.reserved_ratio > 1.0 else [])
     names = [h.name for h in w.param_holders]
     offload = [tuple(names[:k]) for k in range(len(names) + 1)]
     return [
-        {"padding": p, "pad_multiple": m, "attention": a, "allocator": al, "offload": o}
+        {"padding": p, "pad_to_multiple_of": m, "attention": a, "allocator": al, "offload_parameters": o}
         for (p, m), a, al, o in itertools.product(paddings, attention, allocator, offload)
     ]
 
@@ -47,7 +45,7 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
     (BENCHMARKS.md, the story's scenario). The numerics-preserving alternative stays in the report."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
     return [
-        Config(accumulation=a, precision=p, optimizer=o, **extra)
+        Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
         for p in precisions
         for o in ("as-is", "offload")
@@ -63,7 +61,7 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
         precisions.append("fp16")
     combos = itertools.product(accumulations(w), precisions, ("as-is", "8bit", "offload"), _free_levers(w))
     return [
-        Config(accumulation=a, precision=p, optimizer=o, **extra)
+        Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
         if p == "fp16" or o == "8bit"
     ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memdoctor.analysis.flops import device_peaks
-from memdoctor.plan.config import Config
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.workload import Candidate, Workload
 
 # Time: the share of forward+backward time that does not shrink with a smaller micro-batch (kernel
@@ -48,7 +48,7 @@ def time_model(
         out["recompute"] = sum(c.forward_ms for c in chosen)
         basis["recompute"] = "measured: the forward time of each checkpointed module"
         assumptions.append("recomputation costs the measured forward time of each checkpointed module")
-    if config.accumulation > 1:
+    if config.accumulation_steps > 1:
         out["accumulation"] = _accumulation_ms(w, config, assumptions)
         basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
     if config.precision != "fp32":
@@ -74,15 +74,15 @@ def _more_time(
 ) -> None:
     """The time of the padding, parameter-offload, attention and allocator levers."""
     if config.padding != "as-is" and w.padding is not None:
-        mean = w.padding.mean_ratio(config.padding, config.pad_multiple)
+        mean = w.padding.mean_ratio(config.padding, config.multiple())
         out["padding"] = (mean - 1.0) * w.fwd_bwd_ms if w.fwd_bwd_ms else 0.0
         basis["padding"] = (
             f"measured lengths: the mean batch would be {mean:.0%} as long; forward+backward time assumed "
             "linear in the length" + ("" if w.fwd_bwd_ms else "; no phase times, counted as 0")
         )
-    held = [h for h in w.param_holders if h.name in set(config.offload)]
+    held = [h for h in w.param_holders if h.name in set(config.offload_parameters)]
     if held:
-        moved = sum(2 * h.param_bytes + h.grad_bytes for h in held) * config.accumulation
+        moved = sum(2 * h.param_bytes + h.grad_bytes for h in held) * config.accumulation_steps
         out["parameter_offload"] = _transfer_ms(w, moved, target, basis, "parameter_offload")
         assumptions.append(
             "offloaded parameters cross the host link twice per micro-batch (forward and backward) and "
@@ -91,7 +91,7 @@ def _more_time(
     if config.attention == "sdpa":
         out["attention"] = 0.0
         basis["attention"] = "assumption: SDPA is no slower than eager attention (often faster; not counted)"
-    if config.allocator == "expandable":
+    if config.allocator == EXPANDABLE_SEGMENTS:
         out["allocator"] = 0.0
         basis["allocator"] = "assumption: expandable segments cost no time"
 
@@ -122,7 +122,7 @@ def _accumulation_ms(w: Workload, config: Config, assumptions: list[str]) -> flo
         f"each extra micro-batch repeats {100 * share:.0f}% of the forward+backward time (fixed costs of "
         f"a step of compute class {w.compute_class}; an assumption)"
     )
-    return w.fwd_bwd_ms * share * (config.accumulation - 1)
+    return w.fwd_bwd_ms * share * (config.accumulation_steps - 1)
 
 
 def _amp_ms(
