@@ -102,8 +102,9 @@ class Config:
 
 
 # What memdoctor 0.1.0 wrote before the planner took memdoctor.yaml's vocabulary, in summary.json's plan
-# (``config`` of the plan, its prediction and its alternatives) and in benchmarks/plan_accuracy.py's
-# results (tests/data/accuracy): the planner's own values for three levers. Read as today's.
+# (``config`` of the plan, its prediction and its alternatives) and in the benchmarks' results that copy
+# it (benchmarks/results-*.json, tests/data/accuracy): the planner's own values for three levers. Read
+# as today's.
 LEGACY_VALUES: dict[str, dict[str, str | None]] = {
     "padding": {"longest": "trim"},
     "attention": {"as-is": None},
