@@ -214,8 +214,8 @@ def child(
     cmd = [sys.executable, __file__, "--train", "--workload", workload, "--config", json.dumps(config)]
     cmd += ["--steps", str(args.steps), "--device", args.device] + (["--tiny"] if args.tiny else [])
     env = dict(os.environ)
-    if config.get("allocator") == "expandable":  # read once, when CUDA starts: set it for the child
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if config.get("allocator"):  # read once, when CUDA starts: set it for the child
+        env["PYTORCH_CUDA_ALLOC_CONF"] = config["allocator"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -256,8 +256,11 @@ def profile(args: argparse.Namespace, workload: str, out: Path) -> Path:
 
 def configs(trace_path: Path, budgets: list[int]) -> list[tuple[str, Any]]:
     """``(label, Prediction)``: the planner's plan at each budget and the fixed what-ifs."""
-    from memdoctor.plan.model import Config, predict, workload
-    from memdoctor.plan.planner import Target, block_stack, make_plan
+    from memdoctor.plan.alternatives import block_stack
+    from memdoctor.plan.config import Config
+    from memdoctor.plan.model import predict, workload
+    from memdoctor.plan.planner import make_plan
+    from memdoctor.plan.target import Target
     from memdoctor.report import build_summary
     from memdoctor.trace import load_trace
 
@@ -267,7 +270,7 @@ def configs(trace_path: Path, budgets: list[int]) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("as profiled", predict(w, Config()))]
     blocks = tuple(c.name for c in block_stack(trace, w))
     out.append(("checkpoint every block", predict(w, Config(checkpoint=blocks))))
-    out.append(("micro-batch 1/2", predict(w, Config(accumulation=2))))
+    out.append(("micro-batch 1/2", predict(w, Config(accumulation_steps=2))))
     out.append(("bf16 autocast", predict(w, Config(precision="bf16"))))
     out.append(("8-bit optimizer", predict(w, Config(optimizer="8bit"))))
     for b in budgets:

@@ -673,8 +673,9 @@ def plan_command(ns: argparse.Namespace) -> int:
     import json
 
     from memdoctor.cards import find_card
-    from memdoctor.plan.planner import Target, card_table
+    from memdoctor.plan.planner import card_table
     from memdoctor.plan.summarize import doctor, summary_target
+    from memdoctor.plan.target import Target
     from memdoctor.report import build_summary
     from memdoctor.trace import TRACE_FILENAME, load_trace
 

@@ -13,28 +13,21 @@ from memdoctor import exitcodes
 from memdoctor.cards import CARDS, CONTEXT_RESERVE_BYTES, find_card
 from memdoctor.cli import main
 from memdoctor.errors import UsageError
-from memdoctor.plan import model as M
-from memdoctor.plan.model import (
+from memdoctor.plan.alternatives import alternatives, every_n_baseline
+from memdoctor.plan.checkpoints import choose_checkpoints
+from memdoctor.plan.config import Config
+from memdoctor.plan.memory import (
+    AMP_ACTIVATION_FACTOR,
     CHECKPOINT_GRADIENT_SHARE,
     CHECKPOINT_RESERVED_RATIO,
     OPTIMIZER_STEP_TEMP_FACTOR,
-    Candidate,
-    Config,
-    Workload,
-    predict,
-    workload,
 )
+from memdoctor.plan.model import predict, workload
 from memdoctor.plan.ninegrid import ninegrid
-from memdoctor.plan.planner import (
-    SAFETY_MARGIN,
-    Target,
-    alternatives,
-    card_table,
-    choose_checkpoints,
-    every_n_baseline,
-    fits,
-    make_plan,
-)
+from memdoctor.plan.planner import card_table, make_plan
+from memdoctor.plan.target import SAFETY_MARGIN, Target, fits
+from memdoctor.plan.timing import ACCUMULATION_FIXED_SHARE
+from memdoctor.plan.workload import Candidate, Workload
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace, load_trace
 from tests.tracebuilder import GiB, MiB, completed_trace
@@ -128,7 +121,7 @@ def test_nested_checkpoints_are_not_double_counted() -> None:
 
 
 def test_micro_batch_scales_activations_and_temporaries_only() -> None:
-    p = predict(hand_workload(), Config(accumulation=2))
+    p = predict(hand_workload(), Config(accumulation_steps=2))
     assert p.breakdown == {
         "parameters": 100,
         "gradients": 100,
@@ -143,13 +136,13 @@ def test_micro_batch_scales_activations_and_temporaries_only() -> None:
 
 
 def test_accumulation_cost_follows_the_measured_compute_class() -> None:
-    p = predict(hand_workload(compute_class="high"), Config(accumulation=4))
-    assert p.time_parts["accumulation"] == pytest.approx(80.0 * M.ACCUMULATION_FIXED_SHARE["high"] * 3)
+    p = predict(hand_workload(compute_class="high"), Config(accumulation_steps=4))
+    assert p.time_parts["accumulation"] == pytest.approx(80.0 * ACCUMULATION_FIXED_SHARE["high"] * 3)
 
 
 def test_autocast_halves_the_matmul_share_and_caches_16_bit_weights() -> None:
     p = predict(hand_workload(), Config(precision="bf16"))
-    assert p.breakdown["activations"] == int(600 * (1 - 0.5 * M.AMP_ACTIVATION_FACTOR))
+    assert p.breakdown["activations"] == int(600 * (1 - 0.5 * AMP_ACTIVATION_FACTOR))
     assert p.breakdown["autocast_weight_cache"] == 40
     assert p.breakdown["parameters"] == 100 and p.breakdown["optimizer_state"] == 200
 
@@ -165,7 +158,7 @@ def test_optimizer_levers() -> None:
 
 def test_model_state_floor_and_reserved_ratio() -> None:
     w = hand_workload(activations=10, temporaries=0, reserved_ratio=1.5)
-    p = predict(w, Config(accumulation=2))
+    p = predict(w, Config(accumulation_steps=2))
     # the optimizer step's own peak: params + all gradients + state + fixed + foreach Adam's temporaries
     assert p.peak_bytes == 100 + 100 + 200 + 50 + 100 * OPTIMIZER_STEP_TEMP_FACTOR
     w2 = hand_workload(activations=0, temporaries=0, fixed=50, reserved_ratio=1.5)
@@ -214,8 +207,8 @@ def test_bert_fp32_at_8gib_checkpoints_encoder_layers(bert32: tuple[Trace, dict[
     assert all(n.startswith("bert.encoder.layer.") for n in plan.chosen.config.checkpoint)
     # Checkpointing alone (full batch, fp32): encoder layers only, and less recomputation than the
     # story's "every N-th layer" for the same budget.
-    from memdoctor.plan.model import Config
-    from memdoctor.plan.planner import choose_checkpoints
+    from memdoctor.plan.checkpoints import choose_checkpoints
+    from memdoctor.plan.config import Config
 
     chosen = choose_checkpoints(w, Config((), 1, "fp32", "as-is"), target)
     assert chosen and all(c.name.startswith("bert.encoder.layer.") for c in chosen)

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from memdoctor.plan.model import Config, Workload, predict, workload
+from memdoctor.plan.config import Config, config_from_dict
+from memdoctor.plan.model import predict, workload
+from memdoctor.plan.workload import Workload
 from memdoctor.report import build_summary
 from memdoctor.trace import load_trace
 
@@ -30,17 +32,7 @@ def _workload(name: str) -> Workload:
 
 
 def _config(d: dict[str, Any]) -> Config:
-    return Config(
-        checkpoint=tuple(d["checkpoint"]),
-        accumulation=d["accumulation_steps"],
-        precision=d["precision"],
-        optimizer=d["optimizer"],
-        padding=d["padding"],
-        pad_multiple=d["pad_to_multiple_of"] or 1,
-        offload=tuple(d["offload_parameters"]),
-        attention=d["attention"],
-        allocator=d["allocator"],
-    )
+    return config_from_dict(d)
 
 
 def _error(row: dict[str, Any]) -> float:
@@ -52,7 +44,7 @@ def _error(row: dict[str, Any]) -> float:
 def test_the_recorded_pairs_cover_four_models_and_the_levers() -> None:
     assert len(ROWS) >= 20 and {r["workload"] for r in ROWS} == {"bert", "gpt2", "vit", "llama"}
     configs = [_config(r["config"]) for r in ROWS]
-    assert any(c.checkpoint for c in configs) and any(c.accumulation > 1 for c in configs)
+    assert any(c.checkpoint for c in configs) and any(c.accumulation_steps > 1 for c in configs)
     assert any(c.precision == "bf16" for c in configs) and any(c.optimizer == "offload" for c in configs)
 
 

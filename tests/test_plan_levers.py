@@ -13,19 +13,22 @@ import pytest
 
 from memdoctor.cards import CARDS, find_card
 from memdoctor.config import config_for_summary
-from memdoctor.plan import model as M
 from memdoctor.plan import rules as R
-from memdoctor.plan.model import Config, Padding, ParamHolder, predict, workload
+from memdoctor.plan.alternatives import story_baseline
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
+from memdoctor.plan.memory import CHECKPOINT_GRADIENT_SHARE, EXPANDABLE_GAP_KEPT
+from memdoctor.plan.model import predict, workload
 from memdoctor.plan.ninegrid import lever_priority
-from memdoctor.plan.planner import (
-    Target,
-    _cost,
-    fits,
-    grad_scaler,
-    make_plan,
-    story_baseline,
-    truncation_alternative,
+from memdoctor.plan.padding import PAD_MULTIPLE, TRIM_MIN_SAVING, Padding
+from memdoctor.plan.planner import grad_scaler, make_plan, truncation_alternative
+from memdoctor.plan.target import Target, cost, fits
+from memdoctor.plan.timing import (
+    AMP_OTHER_TIME_FACTOR,
+    AMP_TENSOR_EFFICIENCY,
+    AMP_TIME_FACTOR,
+    amp_time_factor,
 )
+from memdoctor.plan.workload import ParamHolder
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace, load_trace
 from tests.test_plan import hand_workload
@@ -56,25 +59,25 @@ def recorded() -> dict[str, tuple[Trace, dict[str, Any]]]:
 
 
 def test_padding_lengths_plan_for_the_longest_batch_not_the_mean() -> None:
-    assert PAD.length("longest", 90, 1) == 90
-    assert PAD.length("longest", 90, 8) == 96  # pad_to_multiple_of rounds up
-    assert PAD.length("longest", 99, 64) == 100, "never longer than as profiled"
+    assert PAD.length("trim", 90, 1) == 90
+    assert PAD.length("trim", 90, 8) == 96  # pad_to_multiple_of rounds up
+    assert PAD.length("trim", 99, 64) == 100, "never longer than as profiled"
     assert PAD.length("p90", 90, 1) == 70 and PAD.length("p90", 60, 1) == 60
-    assert PAD.ratio("longest", 1) == pytest.approx(0.9)  # the worst batch, not the mean (0.767)
-    assert PAD.mean_ratio("longest", 1) == pytest.approx((60 + 80 + 90) / 300)
+    assert PAD.ratio("trim", 1) == pytest.approx(0.9)  # the worst batch, not the mean (0.767)
+    assert PAD.mean_ratio("trim", 1) == pytest.approx((60 + 80 + 90) / 300)
 
 
 def test_trimming_scales_activations_and_temporaries_by_the_worst_batch() -> None:
     w = hand_workload(padding=PAD)
-    p = predict(w, Config(padding="longest"))
+    p = predict(w, Config(padding="trim"))
     assert p.breakdown["activations"] == int(600 * 0.9)
     assert p.breakdown["temporaries"] == int(50 * 0.9)
     assert p.time_parts["padding"] == pytest.approx(80.0 * ((60 + 80 + 90) / 300 - 1))
     assert "measured lengths" in p.time_basis["padding"]
-    assert any("padding policy longest" in a for a in p.assumptions)
+    assert any("padding policy trim" in a for a in p.assumptions)
     truncated = predict(w, Config(padding="p90"))
     assert truncated.breakdown["activations"] == int(600 * 0.7)
-    assert Config(padding="p90").changes_data() and not Config(padding="longest").changes_data()
+    assert Config(padding="p90").changes_data() and not Config(padding="trim").changes_data()
     assert "changes the data" in " ".join(Config(padding="p90").levers())
 
 
@@ -84,8 +87,8 @@ def test_padding_facts_from_the_recorded_traces(recorded: dict[str, tuple[Trace,
     assert (w.padding.padded, w.padding.worst_longest) == (128, 127)
     assert w.padding.percentiles == {"p90": 111.6, "p99": 123.05}
     # with pad_to_multiple_of=8 the longest batch (127) still pads to 128: no memory saved, time is
-    assert w.padding.ratio("longest", 8) == 1.0
-    assert w.padding.mean_ratio("longest", 8) < 0.96
+    assert w.padding.ratio("trim", 8) == 1.0
+    assert w.padding.mean_ratio("trim", 8) < 0.96
     gpt2 = workload(*recorded[GPT2.name])
     assert gpt2 is not None and gpt2.padding is None
     assert gpt2.padding_unavailable is not None and "nothing to trim" in gpt2.padding_unavailable
@@ -94,7 +97,7 @@ def test_padding_facts_from_the_recorded_traces(recorded: dict[str, tuple[Trace,
     oom = workload(*recorded[BERT_OOM.name])
     assert oom is not None and oom.padding is not None
     assert (oom.padding.padded, oom.padding.worst_longest) == (512, 505)
-    assert oom.padding.ratio("longest", 8) == 1.0
+    assert oom.padding.ratio("trim", 8) == 1.0
 
 
 def test_the_search_only_offers_padding_levers_that_were_measured() -> None:
@@ -103,8 +106,8 @@ def test_the_search_only_offers_padding_levers_that_were_measured() -> None:
     assert without.chosen is not None and without.chosen.config.padding == "as-is"
     with_pad = make_plan(hand_workload(padding=PAD), tight)
     assert with_pad.chosen is not None
-    assert with_pad.chosen.config.padding == "longest", "trimming saves memory and time: taken"
-    assert with_pad.chosen.config.pad_multiple == M.PAD_MULTIPLE
+    assert with_pad.chosen.config.padding == "trim", "trimming saves memory and time: taken"
+    assert with_pad.chosen.config.pad_to_multiple_of == PAD_MULTIPLE
 
 
 def test_trimming_that_saves_little_is_not_proposed() -> None:
@@ -112,15 +115,15 @@ def test_trimming_that_saves_little_is_not_proposed() -> None:
     trimming is a lever only where the mean batch gets TRIM_MIN_SAVING shorter."""
     # the story's shape: every batch's longest is close to the padded length
     near_full = Padding(padded=512, worst_longest=500, longest=(490, 500, 496), percentiles={"p90": 480.0})
-    assert near_full.ratio("longest", M.PAD_MULTIPLE) < 1.0, "it would lower the peak a little"
+    assert near_full.ratio("trim", PAD_MULTIPLE) < 1.0, "it would lower the peak a little"
     assert not near_full.worth_trimming()
     assert PAD.worth_trimming()  # the mean batch is 23% shorter
     tight = Target(990, margin=0.0)
     plan = make_plan(hand_workload(padding=near_full), tight)
     assert plan.chosen is not None and plan.chosen.config.padding == "as-is"
-    cut = 1.0 - M.TRIM_MIN_SAVING
+    cut = 1.0 - TRIM_MIN_SAVING
     edge = Padding(padded=100, worst_longest=90, longest=(90,) * 3, percentiles={})
-    assert edge.mean_ratio("longest", M.PAD_MULTIPLE) > cut, "96 of 100 after pad_to_multiple_of 8"
+    assert edge.mean_ratio("trim", PAD_MULTIPLE) > cut, "96 of 100 after pad_to_multiple_of 8"
     assert not edge.worth_trimming()
 
 
@@ -143,12 +146,12 @@ def test_truncation_is_only_an_alternative_labelled_as_changing_the_data() -> No
 def test_parameter_offload_moves_parameters_and_gradients_at_a_pcie_cost() -> None:
     holders = [ParamHolder("embed", 60, 60, 0.5), ParamHolder("head", 30, 30, 2.0)]
     w = hand_workload(param_holders=holders, offload_bytes_per_s=1e3)
-    p = predict(w, Config(offload=("embed", "head")))
+    p = predict(w, Config(offload_parameters=("embed", "head")))
     assert p.breakdown["parameters"] == 100 - 90 + 60  # the largest streams in while it runs
     assert p.breakdown["gradients"] == 100 - 90
     assert p.time_parts["parameter_offload"] == pytest.approx(1e3 * (2 * 90 + 90) / 1e3)
     assert "measured pinned" in p.time_basis["parameter_offload"]
-    on_card = predict(w, Config(offload=("embed",)), offload_bytes_per_s=2e3)
+    on_card = predict(w, Config(offload_parameters=("embed",)), offload_bytes_per_s=2e3)
     assert "datasheet" in on_card.time_basis["parameter_offload"]
     assert any("offloaded parameters" in a for a in p.assumptions)
 
@@ -174,10 +177,10 @@ def test_memory_efficient_attention_removes_the_measured_attention_temporaries(
 
 def test_expandable_segments_shrink_the_reserved_gap_and_say_it_is_assumed() -> None:
     w = hand_workload(reserved_ratio=1.4)
-    as_is = predict(w, Config(accumulation=2))
-    expandable = predict(w, Config(accumulation=2, allocator="expandable"))
+    as_is = predict(w, Config(accumulation_steps=2))
+    expandable = predict(w, Config(accumulation_steps=2, allocator=EXPANDABLE_SEGMENTS))
     assert as_is.peak_bytes == expandable.peak_bytes
-    assert expandable.reserved_bytes == int(expandable.peak_bytes * (1 + 0.4 * M.EXPANDABLE_GAP_KEPT))
+    assert expandable.reserved_bytes == int(expandable.peak_bytes * (1 + 0.4 * EXPANDABLE_GAP_KEPT))
     assert any("expandable_segments assumed" in a for a in expandable.assumptions)
     assert not any("expandable" in a for a in as_is.assumptions)
 
@@ -185,10 +188,10 @@ def test_expandable_segments_shrink_the_reserved_gap_and_say_it_is_assumed() -> 
 @pytest.mark.parametrize(
     ("config", "needle"),
     [
-        (Config(padding="longest"), "padding policy"),
-        (Config(offload=("embed",)), "offloaded parameters"),
+        (Config(padding="trim"), "padding policy"),
+        (Config(offload_parameters=("embed",)), "offloaded parameters"),
         (Config(attention="sdpa"), "memory-efficient attention"),
-        (Config(allocator="expandable"), "expandable_segments"),
+        (Config(allocator=EXPANDABLE_SEGMENTS), "expandable_segments"),
     ],
 )
 def test_each_lever_appears_in_the_assumptions(config: Config, needle: str) -> None:
@@ -208,16 +211,16 @@ def test_each_lever_appears_in_the_assumptions(config: Config, needle: str) -> N
 
 def test_amp_speed_up_from_the_device_capabilities_when_measured() -> None:
     w = hand_workload(device_name="NVIDIA H200", peak_fraction=0.6, compute_class="high")
-    factor, basis = M.amp_time_factor(w, "bf16")
+    factor, basis = amp_time_factor(w, "bf16")
     share = 0.6 * 100.0 / 80.0  # of forward+backward: 0.75
-    speedup = 989 / 67 * M.AMP_TENSOR_EFFICIENCY
-    assert factor == pytest.approx(share / speedup + (1 - share) * M.AMP_OTHER_TIME_FACTOR)
+    speedup = 989 / 67 * AMP_TENSOR_EFFICIENCY
+    assert factor == pytest.approx(share / speedup + (1 - share) * AMP_OTHER_TIME_FACTOR)
     assert basis.startswith("device capabilities: H200 datasheet")
     # a named card's datasheet ratio replaces the profiled GPU's (RTX 2070: fp16 only, 4x fp32)
-    slower, why = M.amp_time_factor(w, "fp16", "GeForce RTX 2070")
+    slower, why = amp_time_factor(w, "fp16", "GeForce RTX 2070")
     assert slower > factor and "RTX 2070" in why
-    flat, why = M.amp_time_factor(hand_workload(compute_class="high"), "bf16")
-    assert flat == M.AMP_TIME_FACTOR["high"] and why.startswith("flat factor")
+    flat, why = amp_time_factor(hand_workload(compute_class="high"), "bf16")
+    assert flat == AMP_TIME_FACTOR["high"] and why.startswith("flat factor")
     p = predict(w, Config(precision="bf16"))
     assert p.time_basis["autocast"] == basis
 
@@ -279,7 +282,7 @@ def test_the_plan_writes_its_levers_into_the_config(
     from memdoctor.config import from_plan
 
     plan = make_plan(hand_workload(padding=PAD, reserved_ratio=1.2), Target(1150)).as_dict()
-    assert plan["config"]["padding"] == "longest" and plan["config"]["pad_to_multiple_of"] == 8
+    assert plan["config"]["padding"] == "trim" and plan["config"]["pad_to_multiple_of"] == 8
     cfg = from_plan(plan)
     assert (cfg.padding, cfg.pad_to_multiple_of) == ("trim", 8)
     # the recorded BERT's longest batch fills all 512 positions: trimming saves no memory, so the plan
@@ -351,11 +354,11 @@ def test_the_cell_breaks_ties_in_the_planner() -> None:
     default = make_plan(w, target)
     assert default.chosen is not None and default.chosen.config.attention == "sdpa"
     swapped = make_plan(w, target, ["allocator", "attention"])
-    assert swapped.chosen is not None and swapped.chosen.config.allocator == "expandable"
-    assert swapped.chosen.config.attention == "as-is"
+    assert swapped.chosen is not None and swapped.chosen.config.allocator == EXPANDABLE_SEGMENTS
+    assert swapped.chosen.config.attention is None
     a = predict(w, Config(attention="sdpa"))
-    b = predict(w, Config(allocator="expandable"))
-    assert _cost(a) < _cost(b) and _cost(b, ["allocator"]) < _cost(a, ["allocator"])
+    b = predict(w, Config(allocator=EXPANDABLE_SEGMENTS))
+    assert cost(a) < cost(b) and cost(b, ["allocator"]) < cost(a, ["allocator"])
 
 
 # ----------------------------------------------------------------------------------------- the story's order
@@ -368,13 +371,13 @@ def test_story_baseline_follows_the_decision_order(recorded: dict[str, tuple[Tra
     story = story_baseline(trace, w, Target(8 * GiB))
     assert story is not None, "compute-bound: checkpoint every N-th block first"
     assert len(story.config.checkpoint) == 12 and all(".layer." in n for n in story.config.checkpoint)
-    assert story.config.accumulation == 1 and story.config.precision == "fp32"
+    assert story.config.accumulation_steps == 1 and story.config.precision == "fp32"
     low = dataclasses.replace(
         w, compute_class="low", param_holders=[ParamHolder("bert.embeddings.word_embeddings", 1, 1, 0.1)]
     )
     memory_bound = story_baseline(trace, low, Target(8 * GiB))
     assert memory_bound is not None and not memory_bound.config.checkpoint, "memory-bound: offload instead"
-    assert memory_bound.config.optimizer == "offload" and memory_bound.config.offload
+    assert memory_bound.config.optimizer == "offload" and memory_bound.config.offload_parameters
     assert story_baseline(trace, w, Target(GiB // 4)) is None, "model state alone exceeds it"
 
 
@@ -397,7 +400,7 @@ def test_the_planner_beats_the_story_order_on_recorded_traces(
         assert plan.chosen is not None, (
             f"the story's order fits {target.budget_bytes} but the planner does not"
         )
-        assert _cost(plan.chosen)[0] <= _cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
+        assert cost(plan.chosen)[0] <= cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
         compared += 1
     assert compared >= 4  # not vacuous: the 1B decoder's state alone needs ~16 GiB, the others fit 3-8
 
@@ -425,7 +428,7 @@ def test_mixed_precision_rule_names_the_planned_scaler_and_device_based_cost(
     (f,) = R.mixed_precision(R.RuleInput(trace, summary, w, Target(card.usable_bytes, card)))
     assert "GradScaler(init_scale=2**16, growth_interval=2000)" in f["evidence"]  # window 2^12..2^18
     assert w is not None and w.fwd_bwd_ms and w.step_ms
-    factor, basis = M.amp_time_factor(w, "fp16", card.name)
+    factor, basis = amp_time_factor(w, "fp16", card.name)
     assert basis.startswith("device capabilities: RTX 2070")
     assert f["cost_fraction"] == pytest.approx(w.fwd_bwd_ms * (factor - 1) / w.step_ms, abs=1e-4)
 
@@ -454,6 +457,6 @@ def test_with_the_optimizer_offloaded_the_backward_peak_holds_every_gradient() -
     w = hand_workload()
     on_gpu = predict(w, Config(checkpoint=("block",)))
     offloaded = predict(w, Config(checkpoint=("block",), optimizer="offload"))
-    assert on_gpu.breakdown["gradients"] == 100 * M.CHECKPOINT_GRADIENT_SHARE
+    assert on_gpu.breakdown["gradients"] == 100 * CHECKPOINT_GRADIENT_SHARE
     assert offloaded.breakdown["gradients"] == 100
     assert offloaded.breakdown["optimizer_state"] == 0

@@ -11,7 +11,7 @@ from memdoctor.analysis.steps import peak_step
 from memdoctor.cards import find_card
 from memdoctor.plan import rules as R
 from memdoctor.plan.model import workload
-from memdoctor.plan.planner import Target
+from memdoctor.plan.target import Target
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace
 from tests.tracebuilder import GiB, MiB, TraceBuilder, completed_trace, tiny_mlp

@@ -12,7 +12,9 @@ import pytest
 from memdoctor.analysis.heatmap import COLUMNS, MAX_ROWS, heatmap, why_not
 from memdoctor.analysis.layers import layer_table
 from memdoctor.analysis.steps import peak_step, timeline_series
-from memdoctor.plan.planner import ALTERNATIVES, Target, alternatives, make_plan
+from memdoctor.plan.alternatives import ALTERNATIVES, alternatives
+from memdoctor.plan.planner import make_plan
+from memdoctor.plan.target import Target
 from memdoctor.report import build_summary, plots, plots_heatmap, plots_plan
 from memdoctor.report.render import report_context
 from memdoctor.report.sections import plan as plan_section

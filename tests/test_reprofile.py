@@ -14,8 +14,10 @@ from memdoctor import exitcodes
 from memdoctor.cli import main, parse_args, reprofile_profile
 from memdoctor.launch.reprofile import needed, reprofile
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
-from memdoctor.plan.model import Config, measured_workload, workload
-from memdoctor.plan.planner import Target, known_oom, make_plan
+from memdoctor.plan.config import Config
+from memdoctor.plan.measure import measured_workload
+from memdoctor.plan.model import workload
+from memdoctor.plan.planner import make_plan
 from memdoctor.plan.reprofiled import (
     RECORD_NAME,
     as_record,
@@ -24,6 +26,7 @@ from memdoctor.plan.reprofiled import (
     reprofiled_workload,
     unmeasured_modules,
 )
+from memdoctor.plan.target import Target, known_oom
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace, load_trace, save_trace
 

@@ -24,7 +24,7 @@ from memdoctor.launch.verify import (
     nothing_to_verify,
     verify,
 )
-from memdoctor.plan.model import corrected_workload
+from memdoctor.plan.workload import corrected_workload
 from memdoctor.report import build_summary
 from memdoctor.report.render import render_report
 from memdoctor.report.sections.verify import report_section
@@ -225,7 +225,8 @@ def test_error_factor_and_correction(first_run: tuple[Trace, dict[str, Any]]) ->
     assert error_factor(oom, 8 * GiB) == pytest.approx(8 * OOM_FLOOR / 6)
     low = {"outcome": "over_budget", "measured_peak_bytes": 1, "predicted_peak_bytes": 6 * GiB}
     assert error_factor(low, 8 * GiB) == 1.0  # never lowers a prediction
-    from memdoctor.plan.model import Config, predict, workload
+    from memdoctor.plan.config import Config
+    from memdoctor.plan.model import predict, workload
 
     w = workload(*first_run)
     assert w is not None

@@ -16,12 +16,11 @@ from memdoctor.config.file import (
     PlanConfig,
     Provenance,
     check_modules,
-    config_for_summary,
     dump_config,
-    from_plan,
     load_config,
     parse_config,
 )
+from memdoctor.config.from_plan import config_for_summary, file_levers, from_plan
 
 __all__ = [
     "ATTENTION",
@@ -39,6 +38,7 @@ __all__ = [
     "check_modules",
     "config_for_summary",
     "dump_config",
+    "file_levers",
     "from_plan",
     "load_config",
     "parse_config",

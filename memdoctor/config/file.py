@@ -21,15 +21,13 @@ from typing import Any
 import yaml
 
 from memdoctor.errors import ConfigError
+from memdoctor.plan.config import OPTIMIZERS, PADDING_POLICIES, PRECISIONS
 from memdoctor.units import first_names
 
 CONFIG_VERSION = 1
 CONFIG_FILENAME = "memdoctor.yaml"
 MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KiB; refuse anything that could exhaust memory
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("as-is", "8bit", "offload")
-PADDING_POLICIES = ("as-is", "trim")
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
 
 
@@ -335,60 +333,3 @@ def dump_config(config: PlanConfig) -> str:
     """The YAML text of ``config`` (round-trips through ``parse_config``)."""
     body = yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False, allow_unicode=False)
     return HEADER + body
-
-
-def from_plan(
-    plan: dict[str, Any], *, trace: Any = None, trace_path: str | None = None, batch_size: int | None = None
-) -> PlanConfig:
-    """The config for ``summary["plan"]`` (the planner's chosen, else closest, config)."""
-    cfg = plan.get("config") or {}
-    accumulation = int(cfg.get("accumulation_steps") or 1)
-    precision = str(cfg.get("precision") or "fp32")
-    model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
-    micro = batch_size // accumulation if batch_size and batch_size % accumulation == 0 else None
-    ratio = plan.get("predicted_step_time_ratio")
-    trim = cfg.get("padding") == "longest"  # the planner never writes a data-changing truncation
-    return PlanConfig(
-        checkpoint=tuple(cfg.get("checkpoint") or ()),
-        precision=precision,
-        grad_scaler=_plan_scaler(plan) if precision == "fp16" else None,
-        micro_batch=micro,
-        accumulation_steps=accumulation,
-        optimizer=str(cfg.get("optimizer") or "as-is"),
-        padding="trim" if trim else "as-is",
-        pad_to_multiple_of=cfg.get("pad_to_multiple_of") if trim else None,
-        offload_parameters=tuple(cfg.get("offload_parameters") or ()),
-        attention="sdpa" if cfg.get("attention") == "sdpa" else None,
-        allocator="expandable_segments:True" if cfg.get("allocator") == "expandable" else None,
-        provenance=Provenance(
-            trace=trace_path,
-            model_class=model.cls if model is not None else None,
-            module_count=len(model.names) if model is not None else None,
-            budget_bytes=plan.get("budget_bytes"),
-            fits=plan.get("fits"),
-            predicted_peak_bytes=plan.get("predicted_peak_bytes"),
-            predicted_step_time_ratio=None if ratio is None else float(ratio),
-        ),
-    )
-
-
-def _plan_scaler(plan: dict[str, Any]) -> GradScalerSettings:
-    """The planner's GradScaler settings (from the measured gradient ranges), else torch's defaults."""
-    found = plan.get("grad_scaler") or {}
-    if not found.get("init_scale") or not found.get("growth_interval"):
-        return GradScalerSettings()
-    return GradScalerSettings(float(found["init_scale"]), int(found["growth_interval"]))
-
-
-def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None:
-    """The config of ``summary["plan"]``; None when the run has no plan (no budget, no memory figure)."""
-    plan = summary.get("plan")
-    if not plan:
-        return None
-    from memdoctor.plan.model import _batch_size  # the planner's own reading of the measured batch
-
-    path = getattr(trace, "path", None)  # its file name only: a config must not carry the user's folders
-    path = None if path is None else Path(path).name
-    return from_plan(
-        plan, trace=trace, trace_path=None if path is None else str(path), batch_size=_batch_size(summary)
-    )

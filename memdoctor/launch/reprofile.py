@@ -21,7 +21,7 @@ from memdoctor import exitcodes
 from memdoctor.config import PlanConfig
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.outputs import round_folder
-from memdoctor.plan.model import _batch_size
+from memdoctor.plan.measure import batch_size
 from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
 from memdoctor.plan.summarize import summary_target
 from memdoctor.trace import Trace, read_trace
@@ -55,7 +55,7 @@ def reprofile(
 ) -> dict[str, Any]:
     """Re-profile at micro-batches 1/2, 1/4, ... (at most ``max_rounds`` runs); the ``reprofile`` record."""
     missing = unmeasured_modules(trace)
-    batch = _batch_size(summary)
+    batch = batch_size(summary)
     target = summary_target(summary)
     record: dict[str, Any] = {
         "unmeasured_modules": missing,

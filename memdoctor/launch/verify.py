@@ -30,9 +30,12 @@ from memdoctor.analysis.verified import chosen_round
 from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.outputs import round_folder
-from memdoctor.plan.model import Workload, _batch_size, corrected_workload, workload
-from memdoctor.plan.planner import Target, compared_plan, make_plan, runner_up
+from memdoctor.plan.measure import batch_size
+from memdoctor.plan.model import workload
+from memdoctor.plan.planner import compared_plan, make_plan, runner_up
 from memdoctor.plan.summarize import summary_target
+from memdoctor.plan.target import Target
+from memdoctor.plan.workload import Workload, corrected_workload
 from memdoctor.trace import Trace, read_trace
 from memdoctor.units import format_bytes
 
@@ -198,7 +201,7 @@ def _record(summary: dict[str, Any], target: Target | None, max_rounds: int) -> 
 
 def _config(plan: dict[str, Any], trace: Trace, summary: dict[str, Any]) -> PlanConfig:
     name = Path(trace.path).name if trace.path else None
-    return from_plan(plan, trace=trace, trace_path=name, batch_size=_batch_size(summary))
+    return from_plan(plan, trace=trace, trace_path=name, batch_size=batch_size(summary))
 
 
 def _levers(plan: dict[str, Any]) -> str:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from memdoctor.plan.model import Workload
+from memdoctor.plan.workload import Workload
 
 STATE_LOW = 0.25
 STATE_HIGH = 0.60
 AXES = {"compute": "compute intensity", "parameter_scale": "parameter scale", "data": "data traits"}
-# Lever families, as ``memdoctor.plan.model.Config.families`` names them.
+# Lever families, as ``memdoctor.plan.config.Config.families`` names them.
 ACTIVATION_FIRST = ("checkpoint", "offload", "8bit")  # activations dominate: recompute them first
 STATE_FIRST = ("8bit", "offload", "checkpoint")  # model state dominates: shrink or move it first
 THEN = ("padding", "accumulation", "attention", "allocator", "precision")  # numerics last

@@ -25,7 +25,9 @@ from typing import Any
 
 from memdoctor.analysis.layers import layer_table
 from memdoctor.analysis.steps import peak_step
-from memdoctor.plan.model import Candidate, Padding, ParamHolder, Workload, measured_workload
+from memdoctor.plan.measure import measured_workload
+from memdoctor.plan.padding import Padding
+from memdoctor.plan.workload import Candidate, ParamHolder, Workload
 from memdoctor.trace import Trace
 from memdoctor.units import first_names
 

@@ -17,18 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from memdoctor.analysis.steps import peak_step
-from memdoctor.plan.model import (
-    AMP_ACTIVATION_FACTOR,
-    AMP_WEIGHT_CACHE_FACTOR,
-    ATTENTION_SITE,
-    Candidate,
-    Config,
-    Workload,
-    amp_time_factor,
-    predict,
-)
+from memdoctor.plan.alternatives import block_stack
+from memdoctor.plan.config import Config
+from memdoctor.plan.measure import ATTENTION_SITE
+from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR
+from memdoctor.plan.model import predict
 from memdoctor.plan.ninegrid import lever_priority
-from memdoctor.plan.planner import Target, block_stack, fits, grad_scaler
+from memdoctor.plan.planner import grad_scaler
+from memdoctor.plan.target import Target, fits
+from memdoctor.plan.timing import amp_time_factor
+from memdoctor.plan.workload import Candidate, Workload
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
@@ -266,7 +264,7 @@ def parameter_offload(x: RuleInput) -> list[Finding]:
     if held < PARAM_OFFLOAD_SHARE * t.budget_bytes:
         return []
     names = tuple(h.name for h in w.param_holders)
-    moved = predict(w, Config(offload=names), offload_bytes_per_s=t.link(w))
+    moved = predict(w, Config(offload_parameters=names), offload_bytes_per_s=t.link(w))
     left = moved.breakdown["parameters"] + moved.breakdown["gradients"]
     saving = w.parameters + w.gradients - left
     if saving <= 0:

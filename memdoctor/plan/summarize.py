@@ -13,12 +13,15 @@ from typing import Any, NamedTuple
 
 from memdoctor.analysis.verified import chosen_round, rounds
 from memdoctor.cards import CONTEXT_RESERVE_BYTES
-from memdoctor.plan.model import corrected_workload, workload
+from memdoctor.plan.alternatives import alternatives
+from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import ninegrid, priority
-from memdoctor.plan.planner import Target, alternatives, make_plan
+from memdoctor.plan.planner import make_plan
 from memdoctor.plan.reprofiled import advice as reprofile_advice
 from memdoctor.plan.reprofiled import summary_record as reprofile_record
 from memdoctor.plan.rules import RuleInput, run_rules
+from memdoctor.plan.target import Target
+from memdoctor.plan.workload import corrected_workload
 from memdoctor.trace import Trace
 
 

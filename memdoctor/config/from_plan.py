@@ -1,0 +1,76 @@
+"""The plan of ``summary.json`` as a ``memdoctor.yaml`` config (``from_plan``, ``config_for_summary``).
+
+The planner's levers (``memdoctor.plan.config.Config``) carry the file's field names and values, so they
+pass through as they are (``file_levers``, the one place where the two could differ); the file adds the
+micro-batch, the GradScaler settings and where the plan came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from memdoctor.config.file import GradScalerSettings, PlanConfig, Provenance
+from memdoctor.plan.config import Config, config_from_dict
+
+
+def file_levers(levers: Config) -> dict[str, Any]:
+    """``levers`` as ``PlanConfig`` fields: each as it is, but a padding policy that truncates sequences
+    (it changes the data: the planner never plans one, only offers it as advice, and the file cannot say
+    it) keeps the profiled padding, and a length multiple goes only with trimming."""
+    fields = {f.name: getattr(levers, f.name) for f in dataclasses.fields(levers)}
+    if levers.changes_data():
+        fields["padding"] = "as-is"
+    if fields["padding"] != "trim":
+        fields["pad_to_multiple_of"] = None
+    return fields
+
+
+def from_plan(
+    plan: dict[str, Any], *, trace: Any = None, trace_path: str | None = None, batch_size: int | None = None
+) -> PlanConfig:
+    """The config for ``summary["plan"]`` (the planner's chosen, else closest, config)."""
+    levers = config_from_dict(plan.get("config") or {})
+    k = levers.accumulation_steps
+    model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
+    micro = batch_size // k if batch_size and batch_size % k == 0 else None
+    ratio = plan.get("predicted_step_time_ratio")
+    return PlanConfig(
+        **file_levers(levers),
+        grad_scaler=_plan_scaler(plan) if levers.precision == "fp16" else None,
+        micro_batch=micro,
+        provenance=Provenance(
+            trace=trace_path,
+            model_class=model.cls if model is not None else None,
+            module_count=len(model.names) if model is not None else None,
+            budget_bytes=plan.get("budget_bytes"),
+            fits=plan.get("fits"),
+            predicted_peak_bytes=plan.get("predicted_peak_bytes"),
+            predicted_step_time_ratio=None if ratio is None else float(ratio),
+        ),
+    )
+
+
+def _plan_scaler(plan: dict[str, Any]) -> GradScalerSettings:
+    """The planner's GradScaler settings (from the measured gradient ranges), else torch's defaults."""
+    found = plan.get("grad_scaler") or {}
+    if not found.get("init_scale") or not found.get("growth_interval"):
+        return GradScalerSettings()
+    return GradScalerSettings(float(found["init_scale"]), int(found["growth_interval"]))
+
+
+def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None:
+    """The config of ``summary["plan"]``; None when the run has no plan (no budget, no memory figure)."""
+    plan = summary.get("plan")
+    if not plan:
+        return None
+    # the planner's own reading of the measured batch; imported here so that ``import memdoctor`` (which
+    # the child running the user's script does) does not load the analysis
+    from memdoctor.plan.measure import batch_size
+
+    path = getattr(trace, "path", None)  # its file name only: a config must not carry the user's folders
+    path = None if path is None else Path(path).name
+    return from_plan(
+        plan, trace=trace, trace_path=None if path is None else str(path), batch_size=batch_size(summary)
+    )

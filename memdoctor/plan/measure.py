@@ -1,0 +1,220 @@
+"""The calibration: a trace's measurements as a ``Workload`` (``measured_workload``). The measured peak
+is split into what each lever acts on; what a trace did not measure is assumed and said so in the
+workload's notes.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any
+
+from memdoctor.analysis.layers import layer_table, repeated_blocks
+from memdoctor.analysis.steps import peak_step
+from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders
+from memdoctor.plan.padding import padding_facts
+from memdoctor.plan.workload import Workload
+from memdoctor.trace import Trace
+
+# Matmul-type modules: autocast stores what they save for backward in 16 bits (``memdoctor.plan.memory``).
+AMP_HALVING_TYPES = re.compile(r"Linear|Conv|Attention|GELU|ReLU|SiLU|Tanh|Sigmoid|Mish|MLP", re.I)
+# Code sites of eager attention's temporaries in the peak ledger (seq x seq scores and probabilities).
+ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
+# Assumed optimizer state when the run died before its first optimizer step: AdamW's two fp32 moments.
+ASSUMED_ADAM_STATE_FACTOR = 2.0
+
+
+def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
+    """The trace's measurements as a ``Workload``; None when no step has a memory figure."""
+    cats = summary.get("categories") or {}
+    peak = summary.get("peak_memory_bytes")
+    if not peak or cats.get("activations") is None or cats.get("parameters") is None:
+        return None
+    rows = layer_table(trace, peak_step(trace))
+    notes: list[str] = []
+    params = sum(r["param_bytes"] for r in rows)
+    grads, opt = _state(rows, params, notes)
+    accounted = sum(
+        int(cats.get(c) or 0) for c in ("parameters", "gradients", "optimizer_state", "activations")
+    )
+    rest = max(0, int(peak) - accounted)
+    temporaries = _temporaries(summary, rest, notes)
+    complete = not summary.get("peak_from_incomplete_step")
+    cands = candidates(trace, rows, notes)
+    pad, pad_why = padding_facts(trace, summary)
+    missing = 0
+    if not complete:
+        missing, extra = extrapolate_blocks(trace, rows, notes)
+        cands += extra
+    return Workload(
+        peak_bytes=int(peak),
+        reserved_ratio=_reserved_ratio(trace, summary),
+        parameters=int(cats.get("parameters") or params),
+        gradients_at_peak=int(cats.get("gradients") or 0),
+        gradients=grads,
+        optimizer_state=max(opt, int(cats.get("optimizer_state") or 0)),
+        activations=int(cats["activations"]) + missing,
+        temporaries=temporaries,
+        fixed=rest - temporaries,
+        amp_share=_amp_share(rows),
+        matmul_param_bytes=sum(r["param_bytes"] for r in rows if AMP_HALVING_TYPES.search(r["type"] or "")),
+        step_ms=_step_ms(summary),
+        fwd_bwd_ms=_fwd_bwd_ms(summary)
+        or _warmup_fwd_bwd(trace, notes)
+        or (None if complete else _estimated_fwd_bwd(trace, rows, notes)),
+        compute_class=(summary.get("compute") or {}).get("class"),
+        batch_size=batch_size(summary),
+        complete=complete,
+        candidates=cands,
+        offload_bytes_per_s=_offload_rate(summary),
+        bf16_native=(summary.get("device") or {}).get("bf16_native"),
+        precision_verdict=(summary.get("precision") or {}).get("verdict"),
+        notes=notes,
+        padding=pad,
+        padding_unavailable=pad_why,
+        attention_temporaries=attention_temporaries(summary, temporaries),
+        param_holders=param_holders(rows),
+        device_name=_device_name(summary),
+        peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
+        scale_window_log2=_window(summary),
+        suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
+    )
+
+
+def attention_temporaries(summary: dict[str, Any], temporaries: int) -> int:
+    """The peak ledger's temporaries allocated in attention code (eager attention's seq x seq scores)."""
+    led = summary.get("peak_ledger") or {}
+    found = sum(
+        int(b)
+        for s, b in led.get("temporaries_by_site") or []
+        if ATTENTION_SITE.search(str(s)) and isinstance(b, (int, float))
+    )
+    return min(found, temporaries)
+
+
+def _device_name(summary: dict[str, Any]) -> str | None:
+    device = summary.get("device") or {}
+    return device.get("name") if device.get("kind") == "cuda" else None
+
+
+def _window(summary: dict[str, Any]) -> tuple[int, int] | None:
+    window = (summary.get("precision") or {}).get("scale_window_log2")
+    return (int(window[0]), int(window[1])) if isinstance(window, list) and len(window) == 2 else None
+
+
+def _state(rows: list[dict[str, Any]], params: int, notes: list[str]) -> tuple[int, int]:
+    """All gradients and optimizer state, from the per-module columns; assumed when never measured."""
+    grads = sum(r["grad_bytes"] or 0 for r in rows)
+    opt = sum(r["optimizer_state_bytes"] or 0 for r in rows)
+    if grads == 0:
+        grads = params
+        notes.append("gradients not measured (no backward finished): assumed one per parameter byte")
+    if opt == 0:
+        opt = int(ASSUMED_ADAM_STATE_FACTOR * params)
+        notes.append(
+            "optimizer state not measured (no optimizer step ran): assumed AdamW, 2x the parameter bytes"
+        )
+    return grads, opt
+
+
+def _temporaries(summary: dict[str, Any], rest: int, notes: list[str]) -> int:
+    """The batch-dependent part of the unaccounted rest: the peak ledger's temporaries when recorded;
+    without a ledger the whole rest is kept fixed (it does not shrink with the batch: an upper bound)."""
+    led = summary.get("peak_ledger") or {}
+    temp = (led.get("categories") or {}).get("temporaries")
+    if isinstance(temp, (int, float)) and led.get("step") == summary.get("peak_step"):
+        return min(rest, int(temp))
+    notes.append(
+        "temporaries not attributed (no peak ledger): kept fixed under every change (an upper bound)"
+    )
+    return 0
+
+
+def _reserved_ratio(trace: Trace, summary: dict[str, Any]) -> float:
+    step = peak_step(trace)
+    alloc = (step.memory.get("allocator") or {}) if step else {}
+    reserved, allocated = alloc.get("max_reserved"), alloc.get("max_allocated")
+    if isinstance(reserved, (int, float)) and isinstance(allocated, (int, float)) and allocated > 0:
+        return max(1.0, reserved / allocated)
+    return 1.0
+
+
+def _amp_share(rows: list[dict[str, Any]]) -> float:
+    total = sum(r["activation_self_bytes"] or 0 for r in rows)
+    halved = sum(r["activation_self_bytes"] or 0 for r in rows if AMP_HALVING_TYPES.search(r["type"] or ""))
+    return halved / total if total else 0.0
+
+
+def _step_ms(summary: dict[str, Any]) -> float | None:
+    if summary.get("step_time_ms"):
+        return float(summary["step_time_ms"])
+    phases = summary.get("phases_ms") or {}
+    return float(sum(phases.values())) if phases else None
+
+
+def _fwd_bwd_ms(summary: dict[str, Any]) -> float | None:
+    phases = summary.get("phases_ms") or {}
+    if phases.get("forward") is None or phases.get("backward") is None:
+        return None
+    return float(phases["forward"] + phases["backward"])
+
+
+def _warmup_fwd_bwd(trace: Trace, notes: list[str]) -> float | None:
+    """Forward + backward ms of the last complete warm-up step, for a run whose profiled steps have no
+    phase times (it died of OOM in the first profiled step, as ViT-base b64 did at step 1 once AdamW's
+    state arrived). Warm-up times include first-call costs (autotuning, allocation): an over-estimate,
+    but every lever's time is costed from the same figure, so their ranking holds."""
+    for step in reversed(trace.steps):
+        forward, backward = step.phases_ms.get("forward"), step.phases_ms.get("backward")
+        if step.warmup and step.complete and forward and backward:
+            notes.append(
+                f"forward + backward time {forward + backward:.1f} ms from warm-up step {step.step} (no "
+                "profiled step finished; warm-up includes first-call costs: an over-estimate)"
+            )
+            return float(forward + backward)
+    return None
+
+
+# Backward over forward time: backward computes two matmuls (input and weight gradients) for every one of
+# the forward, the usual estimate where the backward was not measured.
+BACKWARD_OVER_FORWARD = 2.0
+
+
+def _estimated_fwd_bwd(trace: Trace, rows: list[dict[str, Any]], notes: list[str]) -> float | None:
+    """Forward + backward ms of a step that died in its forward (an OOM at step 0 has no phase times):
+    the largest repeated stack's blocks, each at the median forward time of those that ran, times
+    (1 + ``BACKWARD_OVER_FORWARD``). Without it the cost of micro-batching is unknown and the planner
+    would rank every config that needs it after any config whose cost it knows."""
+    by_key = {(r["model"], r["index"]): r for r in rows}
+    best: tuple[int, float] | None = None
+    for info in trace.models:
+        for blocks in repeated_blocks(info):
+            ms = [by_key[(info.index, i)]["forward_ms"] for i in blocks]
+            ran = [m for m in ms if m is not None]
+            if ran and (best is None or len(blocks) > best[0]):
+                best = (len(blocks), len(blocks) * statistics.median(ran))
+    if best is None:
+        return None
+    notes.append(
+        f"forward + backward time estimated at {best[1] * (1 + BACKWARD_OVER_FORWARD):.1f} ms: the {best[0]} "
+        f"repeated blocks at the median measured block forward time, backward taken as "
+        f"{BACKWARD_OVER_FORWARD:g}x the forward (the run died before its backward; an assumption). "
+        "These are times of the step it died in, often the first (warm-up, autotuning): absolute costs are "
+        "over-estimated, but recomputation and micro-batching are costed from the same times"
+    )
+    return best[1] * (1 + BACKWARD_OVER_FORWARD)
+
+
+def batch_size(summary: dict[str, Any]) -> int | None:
+    """The batch dimension of the largest measured batch: the first dimension its tensors share."""
+    largest = (summary.get("data") or {}).get("largest_batch") or {}
+    shapes = [v for v in (largest.get("shapes") or {}).values() if v]
+    firsts = {v[0] for v in shapes}
+    return firsts.pop() if len(firsts) == 1 and min(firsts) > 0 else None
+
+
+def _offload_rate(summary: dict[str, Any]) -> float | None:
+    bw = (summary.get("device") or {}).get("bandwidth") or {}
+    found = [bw.get(k) for k in ("h2d_pinned_bytes_per_s", "d2h_pinned_bytes_per_s")]
+    rates = [float(r) for r in found if isinstance(r, (int, float)) and r > 0]
+    return min(rates) if rates else None

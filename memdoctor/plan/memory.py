@@ -1,0 +1,193 @@
+"""The memory model: the peak of a training step under a ``Config``, part by part, from a ``Workload``.
+The unchanged config predicts exactly the measured peak (the calibration point). Every factor that is
+an assumption rather than a measurement is a named constant here, listed in ``docs/planner.md``, to be
+calibrated on the GPU by ``benchmarks/plan_accuracy.py``.
+"""
+
+from __future__ import annotations
+
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
+from memdoctor.plan.workload import Candidate, Workload
+
+# Autocast (bf16/fp16): activations saved by matmul-type modules and the elementwise ops that consume
+# their outputs are stored in 16 bits, half of fp32; other modules (LayerNorm, softmax in fp32, embeddings)
+# keep fp32. An assumption to calibrate.
+AMP_ACTIVATION_FACTOR = 0.5
+
+
+# Autocast caches a 16-bit copy of each matmul weight for the forward: + half the fp32 weight bytes.
+AMP_WEIGHT_CACHE_FACTOR = 0.5
+# 8-bit Adam-style optimizers (bitsandbytes) keep the two moments in 8 bits instead of 32: state / 4.
+EIGHT_BIT_STATE_FACTOR = 0.25
+
+
+# Allocator: expandable_segments is assumed to keep this share of the measured reserved - allocated gap
+# (segments grow in place instead of leaving gaps). An assumption, labelled in every prediction.
+EXPANDABLE_GAP_KEPT = 0.5
+# Calibrated on the H200 against 20 (workload, config) pairs of BERT-base, GPT-2 small, ViT-base and a
+# ~1B Llama-style decoder (benchmarks/plan_accuracy.py; BENCHMARKS.md, "Planner prediction accuracy"):
+# torch's foreach Adam/AdamW allocates sqrt(exp_avg_sq) anew for every parameter, so the optimizer
+# step's own peak is the model state plus one more copy of the parameters (the 1B decoder's checkpointed
+# peak is set by it).
+OPTIMIZER_STEP_TEMP_FACTOR = 1.0
+# With checkpointing alone the backward peak comes mid-backward, when about half of the gradients exist
+# (counting all of them over-predicted the checkpointed peaks of BERT, GPT-2 and ViT by 13-18%).
+CHECKPOINT_GRADIENT_SHARE = 0.5
+# Reserved / allocated of a changed config: the allocator's slack grows when the allocation pattern
+# changes (measured 1.02-1.10 for micro-batching and autocast, 1.11-1.20 with checkpointing, against
+# 1.01-1.08 as profiled); the measured ratio is kept when it is larger.
+CHANGED_RESERVED_RATIO = 1.06
+CHECKPOINT_RESERVED_RATIO = 1.15
+
+
+def memory_parts(
+    w: Workload, config: Config, chosen: list[Candidate], assumptions: list[str]
+) -> dict[str, int]:
+    """Bytes per part at the predicted peak of the forward/backward: each lever's effect on its part."""
+    if config == Config():
+        return {
+            "parameters": w.parameters,
+            "gradients": w.gradients_at_peak,
+            "optimizer_state": w.optimizer_state,
+            "activations": w.activations,
+            "temporaries": w.temporaries,
+            "fixed": w.fixed,
+        }
+    scale = 1.0 / config.accumulation_steps
+    if config.accumulation_steps > 1:
+        assumptions.append("activations and temporaries scale linearly with the micro-batch size")
+    seq = padding_scale(w, config, assumptions)
+    amp = activation_scale(w, config) / scale / seq
+    if config.precision != "fp32":
+        assumptions.append(
+            f"autocast stores {100 * w.amp_share:.0f}% of the activations (matmul-type modules) in 16 bits; "
+            "the script is assumed to run in fp32 now; fp32 master weights and optimizer state stay"
+        )
+    acts = w.activations * scale * amp * seq
+    freed = sum(c.free_bytes for c in chosen) * scale * amp * seq
+    recompute = max((c.free_bytes for c in chosen), default=0) * scale * amp * seq
+    if chosen:
+        assumptions.append(
+            "checkpointing frees each chosen module's measured checkpoint_free_bytes (its inputs stay); "
+            "the largest block's activations come back while it is recomputed in backward"
+        )
+    params, grads = offloaded_state(w, config, assumptions)
+    if chosen and config.accumulation_steps == 1 and config.optimizer != "offload":
+        grads = checkpointed_gradients(grads, config)
+        assumptions.append(
+            f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
+            "gradients (it comes mid-backward; calibrated on the GPU)"
+        )
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_state": optimizer_bytes(w, config, assumptions),
+        "activations": int(max(0.0, acts - freed) + recompute),
+        "temporaries": int(_temporaries_left(w, config, assumptions) * scale * seq),
+        "fixed": w.fixed,
+        "autocast_weight_cache": int(w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR)
+        if config.precision != "fp32"
+        else 0,
+    }
+
+
+def activation_scale(w: Workload, config: Config) -> float:
+    """What the micro-batch, the padding policy and autocast multiply the measured activations by."""
+    amp = 1.0 - w.amp_share * (1.0 - AMP_ACTIVATION_FACTOR) if config.precision != "fp32" else 1.0
+    return amp * padding_scale(w, config) / config.accumulation_steps
+
+
+def padding_scale(w: Workload, config: Config, assumptions: list[str] | None = None) -> float:
+    """Padded length of the largest measured batch under the policy / as profiled (1: unchanged)."""
+    if config.padding == "as-is" or w.padding is None:
+        return 1.0
+    ratio = w.padding.ratio(config.padding, config.multiple())
+    if assumptions is not None:
+        assumptions.append(
+            f"padding policy {config.padding}: the largest measured batch would be padded to "
+            f"{w.padding.length(config.padding, w.padding.worst_longest, config.multiple())} of "
+            f"{w.padding.padded} positions; activations and temporaries scale linearly with the length "
+            "(attention scores shrink with its square: an upper bound)"
+        )
+    return ratio
+
+
+def _temporaries_left(w: Workload, config: Config, assumptions: list[str]) -> int:
+    if config.attention != "sdpa" or not w.attention_temporaries:
+        return w.temporaries
+    assumptions.append(
+        f"memory-efficient attention removes the {w.attention_temporaries} bytes of peak temporaries "
+        "measured in eager attention code (seq x seq scores); the probabilities it saves for backward "
+        "are kept (an upper bound)"
+    )
+    return w.temporaries - w.attention_temporaries
+
+
+def offloaded_state(w: Workload, config: Config, assumptions: list[str]) -> tuple[int, int]:
+    """Parameters and gradients left on the GPU when the chosen modules' parameters live on the CPU."""
+    held = [h for h in w.param_holders if h.name in set(config.offload_parameters)]
+    if not held:
+        return w.parameters, w.gradients
+    largest = max(h.param_bytes for h in held)
+    assumptions.append(
+        "offloaded parameters are copied in while their module runs: the largest one's "
+        f"({largest} bytes) is counted at the peak (an upper bound for an input embedding); their "
+        "gradients move to the CPU as they are produced; their optimizer state stays unless the "
+        "optimizer is offloaded too"
+    )
+    params = w.parameters - sum(h.param_bytes for h in held) + largest
+    return max(0, params), max(0, w.gradients - sum(h.grad_bytes for h in held))
+
+
+def optimizer_bytes(w: Workload, config: Config, assumptions: list[str]) -> int:
+    if config.optimizer == "8bit":
+        assumptions.append("8-bit optimizer: state / 4 (two 8-bit moments instead of two fp32 ones)")
+        return int(w.optimizer_state * EIGHT_BIT_STATE_FACTOR)
+    if config.optimizer == "offload":
+        assumptions.append("optimizer state offloaded: none of it on the GPU (the step runs on the CPU)")
+        return 0
+    return w.optimizer_state
+
+
+def step_floor(w: Workload, config: Config, parts: dict[str, int], assumptions: list[str]) -> int:
+    """The optimizer step's own peak: parameters, every gradient, the optimizer state, the fixed rest,
+    and the optimizer's temporaries (foreach Adam: one more copy of the parameters it updates)."""
+    _, grads = offloaded_state(w, config, [])
+    temps = 0
+    if config.optimizer == "as-is" and parts["optimizer_state"]:
+        temps = int(parts["parameters"] * OPTIMIZER_STEP_TEMP_FACTOR)
+    floor = parts["parameters"] + grads + parts["optimizer_state"] + w.fixed + temps
+    if temps and config != Config():
+        assumptions.append(
+            f"the optimizer step peaks at the model state + {OPTIMIZER_STEP_TEMP_FACTOR:g}x the parameters "
+            "(foreach Adam's temporaries; calibrated on the GPU)"
+        )
+    return floor
+
+
+def checkpointed_gradients(grads: int, config: Config) -> int:
+    """The gradient bytes at the backward peak of ``config`` with modules checkpointed: a share of them
+    with checkpointing alone (the peak comes mid-backward), all of them with micro-batches, and all of
+    them with the optimizer offloaded: without the optimizer step's own peak the backward's last blocks
+    set it, when nearly every gradient exists (the 0.95B decoder's offload plan on the H200 peaked in
+    block 1's backward holding 3.12 of its 3.06-3.5 GiB of gradients; BENCHMARKS.md, "Offload")."""
+    if config.accumulation_steps == 1 and config.optimizer != "offload":
+        return int(grads * CHECKPOINT_GRADIENT_SHARE)
+    return grads
+
+
+def reserved_ratio(w: Workload, config: Config) -> float:
+    """Reserved / allocated: as measured, at least the calibrated slack of a changed config, and shrunk
+    toward 1 by expandable segments (an assumption); times a verified run's ``memory_correction``."""
+    ratio = w.reserved_ratio
+    if config != Config():
+        ratio = max(ratio, CHECKPOINT_RESERVED_RATIO if config.checkpoint else CHANGED_RESERVED_RATIO)
+    if config.allocator == EXPANDABLE_SEGMENTS:
+        ratio = 1.0 + (ratio - 1.0) * EXPANDABLE_GAP_KEPT
+    return ratio * w.memory_correction
+
+
+def outermost(chosen: list[Candidate]) -> list[Candidate]:
+    """A module inside another chosen one frees nothing more: its bytes are in its ancestor's."""
+    keys = {c.key for c in chosen}
+    return [c for c in chosen if not c.ancestors & keys]

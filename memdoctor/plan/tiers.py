@@ -1,0 +1,72 @@
+"""The configs the planner searches, in two tiers (``memdoctor.plan.planner``'s docstring): every
+combination of micro-batching, precision and optimizer placement with the levers that keep the
+numerics and the data and cost no time, each only where the trace measured what it acts on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
+from memdoctor.plan.padding import PAD_MULTIPLE
+from memdoctor.plan.target import Target
+from memdoctor.plan.workload import Workload
+
+ACCUMULATIONS = (1, 2, 4, 8)
+
+
+def _free_levers(w: Workload) -> list[dict[str, Any]]:
+    """Combinations of the levers that keep the numerics and the data and cost no time (or save some):
+    trimming padding to the longest sequence (only where that lowers the peak — the longest batch seen
+    is shorter than the padded length — and the mean batch gets ``TRIM_MIN_SAVING`` shorter: batches
+    that change shape cost time; a smaller saving is the ``dynamic_padding`` finding's),
+    memory-efficient attention, expandable segments, and parameter offload of the largest, least
+    compute-heavy holders; each only where the trace measured what it acts on."""
+    trims = (
+        w.padding is not None and w.padding.ratio("trim", PAD_MULTIPLE) < 1.0 and w.padding.worth_trimming()
+    )
+    paddings: list[tuple[str, int | None]] = [("as-is", None)] + ([("trim", PAD_MULTIPLE)] if trims else [])
+    attention: list[str | None] = [None] + (["sdpa"] if w.attention_temporaries > 0 else [])
+    allocator: list[str | None] = [None] + ([EXPANDABLE_SEGMENTS] if w.reserved_ratio > 1.0 else [])
+    names = [h.name for h in w.param_holders]
+    offload = [tuple(names[:k]) for k in range(len(names) + 1)]
+    return [
+        {"padding": p, "pad_to_multiple_of": m, "attention": a, "allocator": al, "offload_parameters": o}
+        for (p, m), a, al, o in itertools.product(paddings, attention, allocator, offload)
+    ]
+
+
+def tier_one(w: Workload, target: Target) -> list[Config]:
+    """Levers that keep the script's numbers, and bf16 autocast where the target card runs it natively:
+    bf16 keeps fp32's exponent range (no loss scaling, no overflow: the precision section's overflow and
+    underflow risks are fp16's), and on such a card it is the fastest lever there is. The story ran the
+    search with every precision change last; on the H200 that left bf16's 4x on the table
+    (BENCHMARKS.md, the story's scenario). The numerics-preserving alternative stays in the report."""
+    precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
+    return [
+        Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
+        for a in accumulations(w)
+        for p in precisions
+        for o in ("as-is", "offload")
+        for extra in _free_levers(w)
+    ]
+
+
+def tier_two(w: Workload, target: Target) -> list[Config]:
+    """Only when nothing in tier one fits: fp16 (where the measured ranges make it safe and the card has
+    no bf16) and the 8-bit optimizer."""
+    precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
+    if w.precision_verdict == "fp16_safe" and not target.bf16(w):
+        precisions.append("fp16")
+    combos = itertools.product(accumulations(w), precisions, ("as-is", "8bit", "offload"), _free_levers(w))
+    return [
+        Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
+        for a, p, o, extra in combos
+        if p == "fp16" or o == "8bit"
+    ]
+
+
+def accumulations(w: Workload) -> list[int]:
+    """Micro-batch splits to try; only divisors of the batch when its size was measured."""
+    return [a for a in ACCUMULATIONS if w.batch_size is None or (w.batch_size % a == 0 and w.batch_size >= a)]

@@ -1,0 +1,167 @@
+"""The time model: the milliseconds each lever adds to the measured step (None where this trace cannot
+say), and what each figure rests on (measured, datasheet or an assumption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memdoctor.analysis.flops import device_peaks
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
+from memdoctor.plan.workload import Candidate, Workload
+
+# Time: the share of forward+backward time that does not shrink with a smaller micro-batch (kernel
+# launches, fixed-size work), by the measured compute class; "unknown" when compute was not measured.
+# Without a compute measurement the cost is unknown (and said so) rather than guessed.
+ACCUMULATION_FIXED_SHARE: dict[str | None, float] = {"high": 0.05, "medium": 0.15, "low": 0.3}
+# Time: forward+backward under autocast as a fraction of fp32, with tensor cores for the dtype.
+AMP_TIME_FACTOR = {"high": 0.6, "medium": 0.8, "low": 0.95, None: 0.8}
+# Time: autocast from the device's capabilities (``amp_time_factor``). 16-bit matmuls are assumed to
+# reach this share of the datasheet tensor-core peak (fp32's own time is taken at 100% of its peak, a
+# lower bound, so the 16-bit time is not flattered); the rest of forward+backward (elementwise, norms,
+# casts) runs in this share of its fp32 time. Both assumptions to calibrate.
+AMP_TENSOR_EFFICIENCY = 0.5
+AMP_OTHER_TIME_FACTOR = 0.9
+
+
+@dataclass(frozen=True)
+class Link:
+    """What the time model needs of the target: native bf16, host-link rate, card name."""
+
+    bf16: bool | None
+    rate: float | None
+    card: str | None
+
+
+def time_model(
+    w: Workload,
+    config: Config,
+    chosen: list[Candidate],
+    target: Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+) -> dict[str, float | None]:
+    """Milliseconds each lever adds to the measured step (None: not known from this trace); ``basis``
+    gets, per part, what its figure rests on (measured, datasheet or an assumption)."""
+    out: dict[str, float | None] = {}
+    if chosen:
+        out["recompute"] = sum(c.forward_ms for c in chosen)
+        basis["recompute"] = "measured: the forward time of each checkpointed module"
+        assumptions.append("recomputation costs the measured forward time of each checkpointed module")
+    if config.accumulation_steps > 1:
+        out["accumulation"] = _accumulation_ms(w, config, assumptions)
+        basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
+    if config.precision != "fp32":
+        out["autocast"] = _amp_ms(w, config, target, assumptions, basis)
+    if config.optimizer == "offload":
+        out["offload"] = _transfer_ms(w, w.gradients + w.parameters, target, basis, "offload")
+        assumptions.append(
+            "offload moves every gradient to the CPU and every parameter back each step; the CPU "
+            "optimizer's own time is not modelled"
+            + ("" if out["offload"] is not None else "; no host-link bandwidth known, so its cost is unknown")
+        )
+    _more_time(w, config, target, assumptions, basis, out)
+    return out
+
+
+def _more_time(
+    w: Workload,
+    config: Config,
+    target: Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+    out: dict[str, float | None],
+) -> None:
+    """The time of the padding, parameter-offload, attention and allocator levers."""
+    if config.padding != "as-is" and w.padding is not None:
+        mean = w.padding.mean_ratio(config.padding, config.multiple())
+        out["padding"] = (mean - 1.0) * w.fwd_bwd_ms if w.fwd_bwd_ms else 0.0
+        basis["padding"] = (
+            f"measured lengths: the mean batch would be {mean:.0%} as long; forward+backward time assumed "
+            "linear in the length" + ("" if w.fwd_bwd_ms else "; no phase times, counted as 0")
+        )
+    held = [h for h in w.param_holders if h.name in set(config.offload_parameters)]
+    if held:
+        moved = sum(2 * h.param_bytes + h.grad_bytes for h in held) * config.accumulation_steps
+        out["parameter_offload"] = _transfer_ms(w, moved, target, basis, "parameter_offload")
+        assumptions.append(
+            "offloaded parameters cross the host link twice per micro-batch (forward and backward) and "
+            "their gradients once, not overlapped with compute (an upper bound)"
+        )
+    if config.attention == "sdpa":
+        out["attention"] = 0.0
+        basis["attention"] = "assumption: SDPA is no slower than eager attention (often faster; not counted)"
+    if config.allocator == EXPANDABLE_SEGMENTS:
+        out["allocator"] = 0.0
+        basis["allocator"] = "assumption: expandable segments cost no time"
+
+
+def _transfer_ms(w: Workload, nbytes: float, target: Link, basis: dict[str, str], part: str) -> float | None:
+    rate = target.rate or w.offload_bytes_per_s
+    if not rate:
+        basis[part] = "unknown: no host-link bandwidth measured and no card named"
+        return None
+    measured = target.rate is None or target.rate == w.offload_bytes_per_s
+    basis[part] = (
+        f"measured pinned host<->device bandwidth ({rate / 1e9:.1f} GB/s)"
+        if measured
+        else f"the target card's PCIe datasheet rate x efficiency ({rate / 1e9:.1f} GB/s)"
+    )
+    return 1e3 * nbytes / rate
+
+
+def _accumulation_ms(w: Workload, config: Config, assumptions: list[str]) -> float | None:
+    share = ACCUMULATION_FIXED_SHARE.get(w.compute_class)
+    if share is None or w.fwd_bwd_ms is None:
+        assumptions.append(
+            "the cost of smaller micro-batches is unknown: compute intensity was not measured (profile "
+            "with the flops collector), so how much of the step is fixed per micro-batch is not known"
+        )
+        return None
+    assumptions.append(
+        f"each extra micro-batch repeats {100 * share:.0f}% of the forward+backward time (fixed costs of "
+        f"a step of compute class {w.compute_class}; an assumption)"
+    )
+    return w.fwd_bwd_ms * share * (config.accumulation_steps - 1)
+
+
+def _amp_ms(
+    w: Workload, config: Config, target: Link, assumptions: list[str], basis: dict[str, str]
+) -> float | None:
+    native = w.bf16_native if target.bf16 is None else target.bf16
+    if w.fwd_bwd_ms is None:
+        basis["autocast"] = "unknown: no forward/backward time measured"
+        return None
+    if config.precision == "bf16" and not native:
+        assumptions.append("bf16 without native support runs no faster (emulated); counted as no change")
+        basis["autocast"] = "device capability: no native bf16, no speed-up"
+        return 0.0
+    factor, why = amp_time_factor(w, config.precision, target.card)
+    basis["autocast"] = why
+    assumptions.append(f"autocast runs forward+backward in {factor:.0%} of the fp32 time ({why})")
+    return w.fwd_bwd_ms * (factor - 1.0)
+
+
+def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tuple[float, str]:
+    """Forward+backward time under autocast as a fraction of fp32's, and what it rests on.
+
+    From the device's capabilities where the trace measured them: the share of forward+backward the
+    measured FLOPs need at the profiled GPU's fp32 datasheet peak (``peak_fraction``) is the matmul
+    time; it shrinks by the datasheet 16-bit / fp32 peak ratio of the target card (else the profiled
+    GPU), at ``AMP_TENSOR_EFFICIENCY`` of the 16-bit peak; the rest runs in ``AMP_OTHER_TIME_FACTOR``
+    of its time. Without a FLOP count or a known device: the flat factor by compute class."""
+    found = device_peaks(card or w.device_name)
+    dtype = "bfloat16" if precision == "bf16" else "float16"
+    if found and dtype in found[1] and w.peak_fraction and w.fwd_bwd_ms and w.step_ms:
+        key, peaks = found
+        share = min(1.0, w.peak_fraction * w.step_ms / w.fwd_bwd_ms)
+        speedup = peaks[dtype] / peaks["float32"] * AMP_TENSOR_EFFICIENCY
+        factor = min(1.0, share / max(speedup, 1.0) + (1.0 - share) * AMP_OTHER_TIME_FACTOR)
+        return factor, (
+            f"device capabilities: {key} datasheet {dtype} {peaks[dtype] / 1e12:.0f} vs fp32 "
+            f"{peaks['float32'] / 1e12:.0f} TFLOP/s at {AMP_TENSOR_EFFICIENCY:.0%} efficiency, matmul share "
+            f"{share:.0%} of forward+backward from the measured FLOP rate; the rest x{AMP_OTHER_TIME_FACTOR}"
+        )
+    factor = AMP_TIME_FACTOR[w.compute_class]
+    why = "compute class " + (w.compute_class or "not measured")
+    return factor, f"flat factor by {why} (no FLOP count or no datasheet peaks for the device)"

@@ -1,0 +1,97 @@
+"""What one trace measured, split by the levers that act on it (``Workload``): parameters, gradients,
+optimizer state, activations (what the modules saved for backward), temporaries (the peak ledger's
+allocations by code site) and a fixed rest (workspaces, allocator slack); with the modules that could
+be checkpointed (``Candidate``) or offloaded (``ParamHolder``). ``memdoctor.plan.measure`` reads it from
+a trace, ``memdoctor.plan.reprofiled`` from a re-profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from memdoctor.plan.padding import Padding
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module that could be checkpointed: what it frees and what recomputing it costs."""
+
+    name: str
+    model: int
+    index: int
+    depth: int
+    free_bytes: int
+    forward_ms: float
+    ancestors: frozenset[tuple[int, int]]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.model, self.index)
+
+    @property
+    def bytes_per_ms(self) -> float:
+        return self.free_bytes / max(self.forward_ms, 1e-3)
+
+
+@dataclass(frozen=True)
+class ParamHolder:
+    """A module whose parameters could live on the CPU: what that frees and what moving them costs."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    forward_ms: float | None
+
+
+@dataclass
+class Workload:
+    """What one trace measured, split by the levers that act on it."""
+
+    peak_bytes: int
+    reserved_ratio: float  # max reserved / max allocated at the peak step (allocator slack), >= 1
+    parameters: int
+    gradients_at_peak: int
+    gradients: int  # all gradients allocated (measured before the optimizer step)
+    optimizer_state: int
+    activations: int  # at the peak
+    temporaries: int  # the peak ledger's temporaries: scale with the micro-batch
+    fixed: int  # the rest of the peak: workspaces, allocator slack, unattributed
+    amp_share: float  # share of the saved activations that autocast stores in 16 bits
+    matmul_param_bytes: int
+    step_ms: float | None
+    fwd_bwd_ms: float | None
+    compute_class: str | None
+    batch_size: int | None
+    complete: bool  # the peak step finished (not cut short by an OOM)
+    candidates: list[Candidate]
+    offload_bytes_per_s: float | None  # measured pinned host<->device rate
+    bf16_native: bool | None  # of the profiled device
+    precision_verdict: str | None
+    notes: list[str] = field(default_factory=list)  # measured gaps and assumptions of the calibration
+    padding: Padding | None = None  # None: no token batch with real lengths was measured
+    padding_unavailable: str | None = None  # why the padding levers are unavailable
+    attention_temporaries: int = 0  # peak-ledger temporaries allocated in eager attention code
+    param_holders: list[ParamHolder] = field(default_factory=list)  # offload candidates, best first
+    device_name: str | None = None  # the profiled GPU (for its datasheet peaks)
+    peak_fraction: float | None = None  # measured FLOP/s over the profiled GPU's fp32 datasheet peak
+    scale_window_log2: tuple[int, int] | None = None  # fp16 loss scales that fit the measured gradients
+    suggested_scale_log2: int | None = None
+    # The script as it is ran out of memory under this budget (this workload then comes from a re-profile
+    # at a smaller micro-batch, scaled back to the full batch): the unchanged config does not fit in it.
+    as_is_oom_budget: int | None = None
+    # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
+    # measured beyond the prediction); 1.0 as profiled.
+    memory_correction: float = 1.0
+
+
+def corrected_workload(w: Workload, factor: float) -> Workload:
+    """``w`` with every predicted reserved peak raised ``factor``-fold.
+
+    The planner predicts reserved = allocated x ``reserved_ratio(w, config)`` and checks the budget
+    against it; ``memory_correction`` multiplies that ratio after the calibrated floors of a changed
+    config (scaling the measured ratio itself, as before, was swallowed by those floors: a x1.11
+    correction of a measured 1.02 stayed under the 1.15 of a checkpointed config and changed nothing).
+    No other part of the model changes. It is deliberately blunt (the whole peak, not the part that
+    was wrong) and so errs towards memory."""
+    note = f"memory predictions raised x{factor:.3f}: a verified run measured that much more than predicted"
+    return replace(w, memory_correction=w.memory_correction * factor, notes=[*w.notes, note])
