@@ -12,8 +12,9 @@ import pytest
 
 from memdoctor import exitcodes
 from memdoctor.analysis.summary import build_summary
-from memdoctor.cli import main, parse_args, reprofile_profile
+from memdoctor.cli import main, parse_args
 from memdoctor.launch.reprofile import needed, reprofile
+from memdoctor.launch.rounds import reprofile_profile
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.plan.model import Config, measured_workload, workload
 from memdoctor.plan.planner import Target, known_oom, make_plan
