@@ -32,6 +32,12 @@ exit codes:
 
 def configure_profile(p: argparse.ArgumentParser) -> None:
     add_script_arguments(p, _PROFILE_USAGE, _PROFILE_EPILOG)
+    _add_run_options(p)
+    _add_measure_options(p)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """How long to run, under what budget, and where to write."""
     p.add_argument(
         "--steps",
         type=arg_type(count(1)),
@@ -71,6 +77,10 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"stop the script after SECONDS and keep what was measured (exit code {exitcodes.TIMEOUT})",
     )
+
+
+def _add_measure_options(p: argparse.ArgumentParser) -> None:
+    """What to measure, and the rounds that follow the first profile (--reprofile, --verify)."""
     p.add_argument(
         "--detail",
         choices=("auto", "all"),
