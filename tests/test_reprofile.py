@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from memdoctor import exitcodes
-from memdoctor.cli import main, parse_args, reprofile_profile
+from memdoctor.cli import main, parse_args
 from memdoctor.launch.reprofile import needed, reprofile
+from memdoctor.launch.rounds import reprofile_profile
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.plan.config import Config
 from memdoctor.plan.measure import measured_workload

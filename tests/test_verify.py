@@ -366,7 +366,7 @@ def test_verify_profile_records_in_the_first_trace_and_re_renders(
     first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The command's glue: the record lands in the first trace and the first report is re-rendered."""
-    from memdoctor.cli import verify_profile
+    from memdoctor.launch.rounds import verify_profile
 
     trace, summary = first_run
     path = save_trace(trace, tmp_path / "trace.jsonl.gz")

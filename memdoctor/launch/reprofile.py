@@ -5,8 +5,8 @@ the same script, arguments, budget and warm-up, one profiled step, with only gra
 applied (``PlanConfig(micro_batch=B/k, accumulation_steps=k)``, through ``memdoctor run``'s own
 micro-batching), for k = 2, 4, 8, ... until a run's ledger has every module. Each run writes into its
 own folder inside the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first
-run's files. The result is the run-wide record ``reprofile`` that the caller writes into the FIRST
-trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
+run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the
+FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
 
 The profile runner is a parameter, so the loop is testable without a child process.
 """

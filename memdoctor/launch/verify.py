@@ -1,18 +1,18 @@
 """``memdoctor profile --verify``: apply the plan, profile again, set the measurement beside the prediction.
 
-Why: a prediction nobody checks is a guess (issue 5, point 5). After the first profile, the plan's
-config is applied in a second profiling run of the same script under the same budget (the same
-``--budget`` cap on a larger GPU); its measured peak and step time are compared with what the planner
-predicted. When the verified run does not fit (it ran out of memory, or its peak is over the budget),
-the planner runs again on the *first* trace with its memory predictions raised by the error just
-measured (``corrected_workload``), and the new config is verified in turn, at most ``max_rounds``
-rounds in all.
+Why: a prediction nobody checks is a guess. After the first profile, the plan's config is applied in a
+second profiling run of the same script under the same budget (the same ``--budget`` cap on a larger
+GPU); its measured peak and step time are compared with what the planner predicted. When the verified
+run does not fit (it ran out of memory, or its peak is over the budget), the planner runs again on the
+*first* trace with its memory predictions raised by the error just measured (``corrected_workload``),
+and the new config is verified in turn, at most ``max_rounds`` rounds in all.
 
 Each round profiles into its own folder inside the first one (``OUT/verify``, ``OUT/verify-2``, ...,
 never over the first run's files) and leaves there the config it applied as ``memdoctor.yaml``. The
-result is a run-wide ``collector`` record named ``verify`` (``RECORD_NAME``) that the caller writes
-into the FIRST trace, so the report section and ``summary.json``'s ``verified`` are derived from the
-trace like everything else (``memdoctor report`` re-renders them); the round traces need not be kept.
+result is a run-wide ``collector`` record named ``verify`` (``RECORD_NAME``) that ``launch/rounds.py``
+writes into the FIRST trace, so the report section and ``summary.json``'s ``verified`` are derived from
+the trace like everything else (``memdoctor report`` re-renders them); the round traces need not be
+kept.
 
 The profile runner is a parameter, so the loop is testable without a child process.
 """

@@ -1,0 +1,140 @@
+"""What every command's parsing shares: the ``Command`` record, the parser class, the split of a
+script's arguments from memdoctor's own, and the value types of the options."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memdoctor.errors import UsageError
+from memdoctor.trace import TRACE_FILENAME
+
+PROG = "memdoctor"
+ORDER_HINT = (
+    "memdoctor's own options go before the script, or between the script and --; the script's arguments "
+    "follow the script, or the -- when there is one"
+)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help, how to add its options and what it does."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    passes_args_through: bool = False  # everything after its target goes to the user's script
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" says where memdoctor's options go: a
+    misplaced option is the usual cause."""
+
+    def error(self, message: str) -> Any:
+        if message.startswith("unrecognized arguments"):
+            message = f"{message}\n({ORDER_HINT})"
+        super().error(message)
+
+
+# ------------------------------------------------------------------------------- the script's arguments
+
+
+@dataclass(frozen=True)
+class ScriptSplit:
+    own: list[str]  # memdoctor's options (with -m MODULE)
+    script: str | None
+    script_args: list[str]
+    separated: bool  # a -- separated memdoctor's options from the script's arguments
+
+
+def split_script_args(parser: argparse.ArgumentParser, tokens: list[str]) -> ScriptSplit:
+    """Split ``profile``'s tokens into memdoctor's options, the script (or ``-m MODULE``) and its arguments.
+
+    The first positional token is the script. memdoctor's options come before it, or between it and a
+    ``--``; the script's arguments are everything after that ``--``, or, when no ``--`` follows the
+    script, everything after the script. A ``--`` before the script ends memdoctor's options: the next
+    token is the script and the rest is passed as is. ``-m MODULE`` stands where the script would.
+    """
+    own: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            rest = tokens[i + 1 :]
+            return ScriptSplit(own, (rest[0] if rest else None), rest[1:], separated=True)
+        if tok == "-m" or (tok.startswith("-m") and not tok.startswith("--")):
+            n = 2 if tok == "-m" else 1
+            return _after_target([*own, *tokens[i : i + n]], None, tokens[i + n :])
+        if not tok.startswith("-") or tok == "-":
+            return _after_target(own, tok, tokens[i + 1 :])
+        own.append(tok)
+        if _takes_value(parser, tok) and i + 1 < len(tokens):
+            own.append(tokens[i + 1])
+            i += 1
+        i += 1
+    return ScriptSplit(own, None, [], separated=False)
+
+
+def _after_target(own: list[str], script: str | None, rest: list[str]) -> ScriptSplit:
+    if "--" not in rest:
+        return ScriptSplit(own, script, rest, separated=False)
+    j = rest.index("--")
+    return ScriptSplit([*own, *rest[:j]], script, rest[j + 1 :], separated=True)
+
+
+def _takes_value(parser: argparse.ArgumentParser, tok: str) -> bool:
+    action = parser._option_string_actions.get(tok)  # argparse keeps no public lookup
+    return action is not None and action.nargs != 0
+
+
+# ----------------------------------------------------------------------------------------- value types
+
+
+def arg_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Turn a converter that raises ``UsageError``/``ValueError`` into an argparse type (exit 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except (UsageError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """A whole number of at least ``minimum`` (steps, rounds)."""
+
+    def count(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return count
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def trace_file(path: Path) -> Path:
+    """The TRACE that ``report`` and ``plan`` take: a trace file, or the folder holding one."""
+    if path.is_dir() and (path / TRACE_FILENAME).is_file():
+        return path / TRACE_FILENAME
+    return path

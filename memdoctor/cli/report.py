@@ -1,0 +1,65 @@
+"""``memdoctor report``: re-render report.html and summary.json from a trace file, on any machine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memdoctor import exitcodes
+from memdoctor.cli.arguments import Command, trace_file
+from memdoctor.cli.terminal import print_summary, print_written, say
+from memdoctor.errors import OutputError
+from memdoctor.outputs import report_output_dir
+
+
+def configure_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", type=Path, metavar="TRACE", help="a trace.jsonl.gz, or the folder holding one")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="output folder (default: beside the trace, or <trace folder>/rerender-N when a report is "
+        "already there)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite report.html and summary.json in the output folder (nothing else is touched)",
+    )
+    p.add_argument(
+        "--salvage",
+        action="store_true",
+        help="read a trace that was cut short (no end record: a crashed in-process run, a .partial file) "
+        "up to its last whole record; the report says it is incomplete",
+    )
+    p.epilog = (
+        f"exit codes: {exitcodes.OK} written; {exitcodes.USAGE_ERROR} usage or output folder error; "
+        f"{exitcodes.TRACE_ERROR} unreadable trace"
+    )
+
+
+def report_command(ns: argparse.Namespace) -> int:
+    from memdoctor.report import build_summary, write_report  # the analysis and report layers; imported late
+    from memdoctor.trace import load_trace, unfinished_end
+
+    path = trace_file(ns.trace)
+    trace = load_trace(path, salvage=ns.salvage)
+    if trace.end is None:  # --salvage of a run that never finished: say so in the report
+        trace.end = unfinished_end(len(trace.steps))
+    out = report_output_dir(path, ns.output, force=ns.force)
+    if out.note:
+        say(out.note)
+    try:
+        written = write_report(trace, out.path)
+    except OSError as exc:
+        raise OutputError(f"{out.path}: cannot write the report ({exc.strerror or exc})") from None
+    summary = build_summary(trace)
+    print_summary(summary, trace, status=summary.get("status"), message=(trace.end or {}).get("message"))
+    print_written(list(written.values()))
+    return exitcodes.OK
+
+
+COMMAND = Command(
+    "report", "re-render report.html and summary.json from a trace file", configure_report, report_command
+)
