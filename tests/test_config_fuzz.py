@@ -1,4 +1,4 @@
-"""Fuzzing the config loader (issue 6 point 5): every input loads or raises ConfigError, nothing else."""
+"""Fuzzing the config loader: every input loads or raises ConfigError, nothing else."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fuzzing the trace loader: every input either loads or raises memdoctor's own TraceError, and every
-trace that loads can be summarised (issue 6: a crafted or damaged trace must not crash memdoctor)."""
+trace that loads can be summarised (a crafted or damaged trace must not crash memdoctor)."""
 
 from __future__ import annotations
 

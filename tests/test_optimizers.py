@@ -1,4 +1,4 @@
-"""Two optimizers in one training step (issue 6): a step is counted once per training step, and both
+"""Two optimizers in one training step: a step is counted once per training step, and both
 optimizers' state is attributed to the modules they train.
 
 Two shapes: separate parameter groups stepped one after the other (``opt_a.step(); opt_b.step()``), and

@@ -206,7 +206,7 @@ def test_bert_fp32_at_8gib_checkpoints_encoder_layers(bert32: tuple[Trace, dict[
     assert plan.chosen.reserved_bytes <= 8 * GiB * (1 - SAFETY_MARGIN)
     assert all(n.startswith("bert.encoder.layer.") for n in plan.chosen.config.checkpoint)
     # Checkpointing alone (full batch, fp32): encoder layers only, and less recomputation than the
-    # story's "every N-th layer" for the same budget.
+    # hand-tuning rule "every N-th layer" for the same budget.
     from memdoctor.plan.checkpoints import choose_checkpoints
     from memdoctor.plan.config import Config
 

@@ -1,4 +1,4 @@
-"""The what-if model against GPU measurements (issue 4, points 6 and 9): the profiles and the measured
+"""The what-if model against GPU measurements: the profiles and the measured
 peaks of ``benchmarks/plan_accuracy.py`` on an H200 are committed under ``tests/data/accuracy``; every
 prediction the model makes today for those (workload, config) pairs is compared with the measured
 ``torch.cuda.max_memory_reserved()``. A change to the model that breaks its accuracy fails here."""

@@ -1,6 +1,6 @@
-"""The planner's levers beyond checkpointing/micro-batch/precision/optimizer (issue 4 points 1-5):
+"""The planner's levers beyond checkpointing/micro-batch/precision/optimizer :
 padding policy, parameter offload, memory-efficient attention, allocator settings; AMP time from the
-device's capabilities; GradScaler settings; the nine-grid cell's lever order; the story's decision order
+device's capabilities; GradScaler settings; the nine-grid cell's lever order; the hand-tuning decision order
 as a baseline the search beats."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from memdoctor.cards import CARDS, find_card
 from memdoctor.config import config_for_summary
 from memdoctor.plan import rules as R
-from memdoctor.plan.alternatives import story_baseline
+from memdoctor.plan.alternatives import hand_tuning_baseline
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.memory import CHECKPOINT_GRADIENT_SHARE, EXPANDABLE_GAP_KEPT
 from memdoctor.plan.model import predict, workload
@@ -111,9 +111,9 @@ def test_the_search_only_offers_padding_levers_that_were_measured() -> None:
 
 
 def test_trimming_that_saves_little_is_not_proposed() -> None:
-    """Batches that change shape cost time (the story on the H200: 2% of the columns cut, 16% slower):
-    trimming is a lever only where the mean batch gets TRIM_MIN_SAVING shorter."""
-    # the story's shape: every batch's longest is close to the padded length
+    """Batches that change shape cost time (BERT-base b32 s512 on the H200: 2% of the columns cut, 16%
+    slower): trimming is a lever only where the mean batch gets TRIM_MIN_SAVING shorter."""
+    # the BERT workload's shape: every batch's longest is close to the padded length
     near_full = Padding(padded=512, worst_longest=500, longest=(490, 500, 496), percentiles={"p90": 480.0})
     assert near_full.ratio("trim", PAD_MULTIPLE) < 1.0, "it would lower the peak a little"
     assert not near_full.worth_trimming()
@@ -361,24 +361,26 @@ def test_the_cell_breaks_ties_in_the_planner() -> None:
     assert cost(a) < cost(b) and cost(b, ["allocator"]) < cost(a, ["allocator"])
 
 
-# ----------------------------------------------------------------------------------------- the story's order
+# ------------------------------------------------------------------------------------ the hand-tuning order
 
 
-def test_story_baseline_follows_the_decision_order(recorded: dict[str, tuple[Trace, dict[str, Any]]]) -> None:
+def test_hand_tuning_baseline_follows_the_decision_order(
+    recorded: dict[str, tuple[Trace, dict[str, Any]]],
+) -> None:
     trace, summary = recorded[BERT32.name]
     w = workload(trace, summary)
     assert w is not None and w.compute_class == "high"
-    story = story_baseline(trace, w, Target(8 * GiB))
+    story = hand_tuning_baseline(trace, w, Target(8 * GiB))
     assert story is not None, "compute-bound: checkpoint every N-th block first"
     assert len(story.config.checkpoint) == 12 and all(".layer." in n for n in story.config.checkpoint)
     assert story.config.accumulation_steps == 1 and story.config.precision == "fp32"
     low = dataclasses.replace(
         w, compute_class="low", param_holders=[ParamHolder("bert.embeddings.word_embeddings", 1, 1, 0.1)]
     )
-    memory_bound = story_baseline(trace, low, Target(8 * GiB))
+    memory_bound = hand_tuning_baseline(trace, low, Target(8 * GiB))
     assert memory_bound is not None and not memory_bound.config.checkpoint, "memory-bound: offload instead"
     assert memory_bound.config.optimizer == "offload" and memory_bound.config.offload_parameters
-    assert story_baseline(trace, w, Target(GiB // 4)) is None, "model state alone exceeds it"
+    assert hand_tuning_baseline(trace, w, Target(GiB // 4)) is None, "model state alone exceeds it"
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
@@ -393,12 +395,12 @@ def test_the_planner_beats_the_story_order_on_recorded_traces(
     targets += [Target(c.usable_bytes, c) for c in CARDS if c.memory_bytes <= 32 * GiB]
     compared = 0
     for target in targets:
-        story = story_baseline(trace, w, target)
+        story = hand_tuning_baseline(trace, w, target)
         plan = make_plan(w, target, order)
         if story is None:
             continue
         assert plan.chosen is not None, (
-            f"the story's order fits {target.budget_bytes} but the planner does not"
+            f"the hand-tuning order fits {target.budget_bytes} but the planner does not"
         )
         assert cost(plan.chosen)[0] <= cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
         compared += 1
@@ -413,7 +415,7 @@ def test_the_planner_is_strictly_faster_than_the_story_where_it_matters(
         w = workload(trace, summary)
         assert w is not None
         rtx2070 = Target(find_card("rtx2070").usable_bytes, find_card("rtx2070"))
-        story, plan = story_baseline(trace, w, rtx2070), make_plan(w, rtx2070)
+        story, plan = hand_tuning_baseline(trace, w, rtx2070), make_plan(w, rtx2070)
         assert story is not None and plan.chosen is not None
         assert plan.chosen.extra_ms is not None and story.extra_ms is not None
         assert plan.chosen.extra_ms < story.extra_ms / 2

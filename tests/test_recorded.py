@@ -1,6 +1,6 @@
 """Reports rendered on a CPU from traces recorded on an NVIDIA H200 (commands in BENCHMARKS.md).
 
-These are the story's workloads: BERT-base sequence classification (batch 32, padded to 512, fp32,
+These are the BERT-base workloads: BERT-base sequence classification (batch 32, padded to 512, fp32,
 AdamW) with and without an 8 GiB cap, a configuration that fits the cap, and GPT-2 small with the
 Hugging Face Trainer.
 """
@@ -54,7 +54,7 @@ def test_story_oom_under_8gib_keeps_what_was_live_when_it_died() -> None:
     ["gpu-bert-base-b32-s512-fp32", "gpu-gpt2-small-trainer-b8-s512", "gpu-bert-base-b32-s512-8gib-oom"],
 )
 def test_peak_ledger_accounts_for_the_allocator_peak(name: str) -> None:
-    """Issue 2, point 5: the ledger's categories sum to within 5% of max_memory_allocated at the peak."""
+    """The ledger's categories sum to within 5% of max_memory_allocated at the peak."""
     summary = build_summary(load(name))
     led = summary["peak_ledger"]
     cats = led["categories"]

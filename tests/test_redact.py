@@ -1,4 +1,4 @@
-"""Secrets on the command line never reach the trace (issue 6, point 3)."""
+"""Secrets on the command line never reach the trace."""
 
 from __future__ import annotations
 

@@ -257,7 +257,7 @@ def test_readme_links_every_sample_report() -> None:
 
 
 def test_the_top_of_the_page_names_the_plan_and_the_command_that_applies_it(tmp_path: Path) -> None:
-    """Issue 7, point 1: under the verdict, the recommended config and the one command that applies it."""
+    """Under the verdict, the recommended config and the one command that applies it."""
     from memdoctor.report import write_report
     from memdoctor.trace import load_trace
 

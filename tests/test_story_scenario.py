@@ -1,4 +1,4 @@
-"""The scenarios of issue 5, point 6 (``benchmarks/story_scenario.py``): their tables and their arithmetic.
+"""The plan-versus-hand-tuning scenarios (``benchmarks/story_scenario.py``): tables and arithmetic.
 
 The scenario itself spawns a dozen processes (the lead runs it on the GPU; ``--tiny`` on a CPU takes
 half a minute per workload), so these tests check the cheap parts that decide whether its verdict is fair:
@@ -82,7 +82,7 @@ def test_parse_args_per_workload() -> None:
     gpt2 = sc.parse_args(["--workload", "gpt2-trainer", "--tiny", "--grid", "bf16; micro-batch 8 x2"])
     assert gpt2.out == Path("gpt2-trainer-scenario") and gpt2.steps == 4
     assert gpt2.grid == ("bf16", "micro-batch 8 x2")
-    with pytest.raises(SystemExit):  # the story's entry is not in the Lightning grid
+    with pytest.raises(SystemExit):  # the BERT workload's entry is not in the Lightning grid
         sc.parse_args(["--workload", "vit-lightning", "--grid", "micro-batch 16 x2"])
 
 

@@ -1,4 +1,4 @@
-"""The story workload's hand-tuning levers (``benchmarks/workloads/bert_story.py``), which
+"""The BERT-base workload's hand-tuning levers (``benchmarks/workloads/bert_story.py``), which
 ``benchmarks/story_scenario.py`` compares memdoctor's plan against: each must keep the training faithful,
 or the comparison is unfair."""
 

@@ -1,6 +1,6 @@
 """What the planner's pick is compared with: the configs a reader may prefer (``alternatives``: the
-fastest, the least memory, the one that keeps the numerics) and the story's rules (``every_n_baseline``,
-``story_baseline``), kept as the baseline the search must beat.
+fastest, the least memory, the one that keeps the numerics) and the hand-tuning rules (``every_n_baseline``,
+``hand_tuning_baseline``), kept as the baseline the search must beat.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _reserved(p: Prediction) -> int:
 def every_n_baseline(
     trace: Trace, w: Workload, target: Target, config: Config | None = None
 ) -> Prediction | None:
-    """The story's rule: checkpoint every N-th block of the model's largest stack of repeated blocks,
+    """The hand-tuning rule: checkpoint every N-th block of the model's largest stack of repeated blocks,
     with the largest N that fits (fewest blocks); None when even every block does not fit."""
     config = config or Config()
     stack = block_stack(trace, w)
@@ -80,8 +80,8 @@ def every_n_baseline(
     return None
 
 
-def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | None:
-    """The story's decision order, the baseline the search must beat. Not enough memory: is the step
+def hand_tuning_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | None:
+    """The hand-tuning decision order, the baseline the search must beat. Not enough memory: is the step
     compute-bound (compute class high or medium, or not measured)? Then checkpoint every N-th block
     (``every_n_baseline``: the largest N that fits) at every later stage too; else offload (the
     embedding/head parameters and the optimizer state). Then dynamic batching: trim padding to the
@@ -92,7 +92,7 @@ def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | No
     if fits(base, target) and not known_oom(w, base.config, target):
         return base
     checkpointing = w.compute_class != "low"
-    for config in _story_stages(w, target, checkpointing):
+    for config in _hand_tuning_stages(w, target, checkpointing):
         p = every_n_baseline(trace, w, target, config) if checkpointing else predict_for(w, config, target)
         if p is None and checkpointing and not block_stack(trace, w):
             p = predict_for(w, config, target)  # no repeated blocks to checkpoint
@@ -101,8 +101,8 @@ def story_baseline(trace: Trace, w: Workload, target: Target) -> Prediction | No
     return None
 
 
-def _story_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
-    """The cumulative configs of the story's order (checkpoints are chosen per stage by the caller)."""
+def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
+    """The cumulative configs of the hand-tuning order (checkpoints are chosen per stage by the caller)."""
     holders = tuple(h.name for h in w.param_holders)
     config = Config() if checkpointing else Config(optimizer="offload", offload_parameters=holders)
     stages = [config]

@@ -46,7 +46,7 @@ def lever_priority(grid: dict[str, Any] | None) -> list[str]:
     * parameter scale high, or compute intensity low (few FLOPs per byte: a small batch against many
       parameters): model state dominates, so the 8-bit optimizer and offload come before checkpointing;
     * otherwise (compute intensity high or medium, or not measured): activations dominate, so
-      checkpointing comes first, then offload (the story's order);
+      checkpointing comes first, then offload (the usual hand-tuning order);
     * then padding, smaller micro-batches, memory-efficient attention, the allocator, and mixed
       precision last (it changes the numerics)."""
     grid = grid or {}

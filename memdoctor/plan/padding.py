@@ -14,9 +14,9 @@ from memdoctor.trace import Trace
 PAD_MULTIPLE = 8  # pad_to_multiple_of the planner proposes (tensor cores like multiples of 8)
 # Trimming padding to each batch's longest sequence is proposed only where the mean batch gets at least
 # this much shorter. Trimmed batches change shape from step to step, and that is not free: on the H200
-# the story's bf16 BERT-base b32 step ran 16% slower trimmed (455 vs 531 samples/s, 2% of the columns
+# a bf16 BERT-base b32 s512 step ran 16% slower trimmed (455 vs 531 samples/s, 2% of the columns
 # cut), and a plan near the cap with trimmed batches had allocator-bound steps of up to 2.4 s
-# (BENCHMARKS.md, the story's scenario). Below this, the dynamic_padding finding still reports it.
+# (BENCHMARKS.md, the BERT-base b32 s512 scenario). Below this, the dynamic_padding finding still reports it.
 TRIM_MIN_SAVING = 0.10
 
 

@@ -1,6 +1,6 @@
 """The planner: for a budget, the config that fits with a safety margin at the least predicted slowdown.
 
-Search, in two tiers, following the story's decision order (memory levers first, numerics last):
+Search, in two tiers, following the usual hand-tuning decision order (memory levers first, numerics last):
 
 1. levers that keep the numerics: activation checkpointing, micro-batch with gradient accumulation,
    optimizer state offload, and (where the trace measured what they act on) trimming padding to the
@@ -10,8 +10,9 @@ Search, in two tiers, following the story's decision order (memory levers first,
 
 For every combination of the non-checkpoint levers, ``choose_checkpoints`` picks *which* modules to
 checkpoint: greedily by measured bytes freed per millisecond of recomputation, never a module nested in
-another chosen one, then drops any choice the budget does not need. The story's "every N-th layer" rule
-is ``every_n_baseline``, and its whole decision order ``story_baseline``, kept to compare against.
+another chosen one, then drops any choice the budget does not need. The hand-tuning rule "checkpoint
+every N-th layer" is ``every_n_baseline``, and its whole decision order ``hand_tuning_baseline``, kept to
+compare against.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from memdoctor.plan.workload import Workload
 from memdoctor.units import format_bytes
 
 # GradScaler growth_interval: torch's default where the measured window of loss scales is wide; a
-# shorter one (the story's 500) where it is narrow, so that after a back-off (the scale halves on an
-# overflow) the scale climbs back out of the underflow side sooner. A heuristic, labelled.
+# shorter one (500, a common hand-tuned value) where it is narrow, so that after a back-off (the scale
+# halves on an overflow) the scale climbs back out of the underflow side sooner. A heuristic, labelled.
 NARROW_SCALE_WINDOW_LOG2 = 4
 GROWTH_INTERVAL_WIDE = 2000
 GROWTH_INTERVAL_NARROW = 500

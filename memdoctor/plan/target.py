@@ -17,8 +17,8 @@ from memdoctor.plan.workload import Workload
 SAFETY_MARGIN = 0.10  # a plan must leave this share of the budget free
 
 
-# The lever order where no nine-grid cell is known (the story's: checkpointing or offload, then
-# dynamic batching, then mixed precision); ``make_plan`` takes the cell's order.
+# The lever order where no nine-grid cell is known (the usual hand-tuning order: checkpointing or
+# offload, then dynamic batching, then mixed precision); ``make_plan`` takes the cell's order.
 DEFAULT_PRIORITY = tuple(lever_priority(None))
 
 

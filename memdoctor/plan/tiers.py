@@ -40,9 +40,9 @@ def _free_levers(w: Workload) -> list[dict[str, Any]]:
 def tier_one(w: Workload, target: Target) -> list[Config]:
     """Levers that keep the script's numbers, and bf16 autocast where the target card runs it natively:
     bf16 keeps fp32's exponent range (no loss scaling, no overflow: the precision section's overflow and
-    underflow risks are fp16's), and on such a card it is the fastest lever there is. The story ran the
-    search with every precision change last; on the H200 that left bf16's 4x on the table
-    (BENCHMARKS.md, the story's scenario). The numerics-preserving alternative stays in the report."""
+    underflow risks are fp16's), and on such a card it is the fastest lever there is. Hand tuning that
+    tries every precision change last left bf16's 4x on the table on the H200 (BENCHMARKS.md, the
+    BERT-base b32 s512 scenario). The numerics-preserving alternative stays in the report."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
