@@ -30,7 +30,6 @@ thread.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import threading
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 
+from memdoctor import patching
 from memdoctor.capture.collectors import Collector, CollectorUnavailable
 from memdoctor.device import Device, nvml
 
@@ -88,7 +88,7 @@ class TransferCollector(Collector):
         self.local = threading.local()
         self.logs: dict[int, StepLog] = {}
         self.fields: dict[int, tuple[int, dict[str, Any]]] = {}
-        self.patches: list[tuple[Any, str, Any, bool, Any]] = []
+        self.patches: list[patching.Undo] = []
         self.sampler: PcieSampler | None = None
         self.t0 = time.perf_counter()
 
@@ -147,23 +147,14 @@ class TransferCollector(Collector):
             self._patch(torch, name, _wrap_factory)
 
     def _patch(self, owner: Any, name: str, make: Callable[..., Any]) -> None:
-        original = getattr(owner, name)
-        had_own = name in vars(owner)
-        wrapper = functools.wraps(original)(make(self, original, name))
-        setattr(owner, name, wrapper)
-        self.patches.append((owner, name, original, had_own, wrapper))
+        self.patches.append(patching.wrap_attr(owner, name, lambda original: make(self, original, name)))
 
     def _uninstall(self) -> None:
-        """Put every original back exactly (a method torch.Tensor inherited is deleted again, not set).
-        One that someone wrapped again after us stays, and our wrapper under it passes calls through."""
+        """Put every original back (a method torch.Tensor inherited is deleted again, not set). One that
+        someone wrapped again after us stays (``memdoctor.patching``), and our wrapper under it passes
+        calls through."""
         while self.patches:
-            owner, name, original, had_own, wrapper = self.patches.pop()
-            if vars(owner).get(name) is not wrapper:
-                continue
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+            self.patches.pop()()
 
     # ------------------------------------------------------------------------------ recording
     def busy(self) -> bool:
