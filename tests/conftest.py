@@ -4,7 +4,8 @@ The autouse ``no_leaked_hooks`` fails a test that leaves memdoctor's global stat
 installs global module and optimizer hooks, saved-tensor hooks and threads, and its collectors wrap a few
 torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...), and ``memdoctor run``'s
 framework path patches the HF / Lightning Trainer classes through an import hook (``sys.meta_path``); a
-leak would silently change every later test (and, in a user's process, every later step).
+leak would silently change every later test (and, in a user's process, every later step). Every such
+patch goes through ``memdoctor.patching``, whose registry says what is still patched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from memdoctor import patching
 
 # (module, attribute) of torch's global hook registries; a name the installed torch lacks is skipped.
 _HOOK_REGISTRIES = (
@@ -76,71 +79,14 @@ def _memdoctor_threads(before: set[int]) -> list[threading.Thread]:
     ]
 
 
-# Classes whose functions a collector may wrap while profiling: (module, class). Torch's own module
-# functions are checked by name only: torch replaces some itself on first use (torch._dynamo wraps
-# torch.manual_seed when it is imported; and nn.Module.__init__ once torch.compile runs, which is why
-# Module is not checked: no collector patches it).
-_TORCH_FUNCTIONS = ("tensor", "as_tensor", "asarray", "from_numpy")
-_PATCHABLE = (
-    ("torch", "Tensor"),
-    ("torch.utils.data.dataloader", "_BaseDataLoaderIter"),
-    ("torch.utils.data.dataloader", "DataLoader"),
-    ("torch.amp.grad_scaler", "GradScaler"),
-    # memdoctor run's framework patches (memdoctor/levers/frameworks.py)
-    ("transformers.training_args", "TrainingArguments"),
-    ("transformers.trainer", "Trainer"),
-    ("lightning.pytorch.trainer.trainer", "Trainer"),
-    ("lightning.pytorch.trainer.connectors.data_connector", "_DataConnector"),
-    ("pytorch_lightning.trainer.trainer", "Trainer"),
-    ("pytorch_lightning.trainer.connectors.data_connector", "_DataConnector"),
-    ("torch.optim.optimizer", "Optimizer"),  # memdoctor run: the model is found at optimizer construction
-)
-# Module functions memdoctor run replaces (memdoctor.levers): (module, function).
-_MODULE_FUNCTIONS = (
-    ("torch.autograd", "backward"),
-    ("torch.nn.utils", "clip_grad_norm_"),
-    ("torch.nn.utils", "clip_grad_value_"),
-)
-
-
-def patchable_snapshot() -> dict[tuple[str, str, str], Any]:
-    """Every callable attribute of the patchable owners, by identity (owners not imported are skipped)."""
-    out: dict[tuple[str, str, str], Any] = {}
-    torch = sys.modules.get("torch")
-    for name in _TORCH_FUNCTIONS if torch is not None else ():
-        out[("torch", "", name)] = vars(torch).get(name)
-    for mod_name, name in _MODULE_FUNCTIONS:
-        if mod_name in sys.modules:
-            out[(mod_name, "", name)] = vars(sys.modules[mod_name]).get(name)
-    for mod_name, attr in _PATCHABLE:
-        owner = getattr(sys.modules.get(mod_name), attr, None)
-        if owner is None:
-            continue
-        for name in list(vars(owner)):  # absent names too: a patch may add one (Tensor.to is inherited)
-            out[(mod_name, attr, name)] = vars(owner).get(name)
-        for name in _TENSOR_METHODS if attr == "Tensor" else ():
-            out.setdefault((mod_name, attr, name), None)
-    return out
-
-
-# Inherited from torch._C.TensorBase, so absent from vars(torch.Tensor) until something patches them.
-_TENSOR_METHODS = ("to", "cuda", "cpu", "copy_", "item", "tolist", "numpy", "pin_memory", "__array__")
-
-
-def leaked_patches(before: dict[tuple[str, str, str], Any]) -> list[str]:
-    """Attributes replaced during the test (restored here, so one leak does not fail later tests)."""
-    leaks = []
-    for (mod_name, attr, name), value in before.items():
-        module = sys.modules.get(mod_name)
-        owner = module if not attr else getattr(module, attr, None)
-        if owner is None or vars(owner).get(name) is value:
-            continue
-        leaks.append(f"{mod_name}.{attr + '.' if attr else ''}{name}")
-        if value is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, value)
-    return leaks
+def leaked_patches(before: list[patching.Patch]) -> list[str]:
+    """memdoctor's class and module patches installed during the test and still there (the registry of
+    ``memdoctor.patching``, the one way memdoctor patches); undone here, newest first, so one leak does
+    not fail later tests."""
+    leaks = [patch for patch in patching.installed() if patch not in before]
+    for patch in reversed(leaks):
+        patch.undo()
+    return [patch.where() for patch in leaks]
 
 
 def leaked_threads(before: set[int]) -> list[str]:
@@ -157,7 +103,7 @@ def no_leaked_hooks() -> Iterator[None]:
     if already:
         _clear_hooks()
     threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
-    patched_before = patchable_snapshot()
+    patched_before = patching.installed()
     finders_before = list(sys.meta_path)
     yield
     hooks = leaked_hooks()

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from memdoctor.capture.collectors import REGISTRY, Collector, make_collectors, parse_names
+from memdoctor.capture.collectors import NAMES as REGISTRY
+from memdoctor.capture.collectors import Collector, collector_classes, make_collectors, parse_names
 from memdoctor.capture.session import ProfileSession
 from memdoctor.cli import main
 from memdoctor.device import FakeDevice
@@ -177,6 +178,10 @@ def test_missing_collector_modules_are_noted() -> None:
     names = {c.name for c in made}
     for n in REGISTRY:
         assert n in names or any(note.startswith(f"{n}:") for note in notes)
+
+
+def test_the_names_are_the_collector_classes_own() -> None:
+    assert tuple(collector_classes()) == REGISTRY
 
 
 def test_collector_note_finds_the_reason_by_name() -> None:

@@ -189,12 +189,12 @@ def test_the_mode_is_left_when_the_session_stops_mid_step() -> None:
 
 
 def test_a_counting_failure_stops_counting_but_never_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
-    from memdoctor.capture import flops
+    from memdoctor.capture import flopcount
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise ValueError("counting bug")
 
-    monkeypatch.setattr(flops._CountingMode, "_count", broken)
+    monkeypatch.setattr(flopcount.CountingMode, "_count", broken)
     records, _ = profile(Head(), steps=2, warmup=1)
     data = steps_of(records)[0]["collectors"]["flops"]
     assert data["complete"] is False and "counting bug" in data["error"]

@@ -17,6 +17,7 @@ from tracebuilder import TraceBuilder, tiny_mlp, trace_from_records
 
 from memdoctor.analysis import histograms as pr
 from memdoctor.capture import histograms as hist
+from memdoctor.capture import histsample
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import FakeDevice
 from memdoctor.report import build_summary, render
@@ -221,7 +222,7 @@ def test_sample_is_bounded_and_spread(make: str) -> None:
         "scalar": base[0, 0, 0],
     }[make]
     row = torch.full((hist.SAMPLE_SIZE,), float("nan"))
-    k = hist._copy_sample(x, row)
+    k = histsample.copy_sample(x, row)
     assert 0 < k <= min(hist.SAMPLE_SIZE, x.numel()) and not row[:k].isnan().any()
     assert set(row[:k].tolist()) <= set(x.flatten().tolist())  # values of x, nothing else
     if x.numel() > hist.SAMPLE_SIZE:
@@ -232,20 +233,20 @@ def test_sample_is_bounded_and_spread(make: str) -> None:
 def test_contiguous_sample_covers_every_channel() -> None:
     x = torch.arange(32 * 128 * 768, dtype=torch.float32).view(32, 128, 768)
     row = torch.empty(hist.SAMPLE_SIZE)
-    k = hist._copy_sample(x, row)
+    k = histsample.copy_sample(x, row)
     channels = {int(v) % 768 for v in row[:k].tolist()}
     assert len(channels) > 700  # a stride that is a multiple of 768 would sample one channel only
 
 
 def test_nonfinite_and_zero_bins() -> None:
-    rows = hist._DeviceRows(torch.device("cpu"))
+    rows = histsample.DeviceRows(torch.device("cpu"))
     values = torch.tensor([0.0, 0.0, float("inf"), float("nan"), 1e5, 3.0, 2.0**-30, -(2.0**-60), 2.0**60])
     for dtype in (torch.float32, torch.float64):
         sample, lo, hi = rows.slot(dtype)
         torch.aminmax(values.to(dtype), out=(lo, hi))
-        n = hist._copy_sample(values.to(dtype), sample)
-        rows.rows.append(hist._Row(1, 0, dtype, values.numel(), n))
-    for stats in hist._device_stats(rows):
+        n = histsample.copy_sample(values.to(dtype), sample)
+        rows.rows.append(histsample.Row(1, 0, dtype, values.numel(), n))
+    for stats in histsample.device_stats(rows):
         abs_max, overflow, counts = stats[0], stats[1], stats[2:]
         assert math.isnan(abs_max)  # a NaN anywhere: the exact max says so
         assert overflow == 3  # inf, 1e5, 2^60 (NaN is not an overflow)
@@ -315,7 +316,7 @@ def test_outputs_and_gradients_are_freed_when_the_script_drops_them() -> None:
         h.remove()
     # the collector's buffers are a fixed few rows, not proportional to the 1 MiB outputs it measured
     held = sum(t.numel() * t.element_size() for r in collector._devices.values() for t in r.samples)
-    assert held <= hist.CHUNK_ROWS * hist.SAMPLE_SIZE * 4
+    assert held <= histsample.CHUNK_ROWS * hist.SAMPLE_SIZE * 4
 
 
 def test_timing_steps_measure_nothing() -> None:
@@ -384,7 +385,7 @@ def _add(cols: dict[str, list[Any]], module: int, xs: list[float]) -> None:
         else:
             e = min(max(math.floor(math.log2(abs(x))), hist.LOG2_MIN), hist.LOG2_MAX)
             counts[e - hist.LOG2_MIN + 1] += 1
-    hist._append(cols, module, hist._Row(0, 0, torch.float32, len(xs), len(xs)), stats + counts)
+    hist._append(cols, module, histsample.Row(0, 0, torch.float32, len(xs), len(xs)), stats + counts)
 
 
 def test_gradients_that_need_a_smaller_scale() -> None:

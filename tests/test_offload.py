@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import memdoctor
-from memdoctor.config.file import config_from_mapping as _from_mapping
+from memdoctor.config.file import config_from_mapping
 from memdoctor.errors import ConfigError
 from memdoctor.levers.offload import OptimizerOffload, ParameterOffload
 
@@ -324,7 +324,7 @@ def test_memdoctor_apply_offloads_and_remove_restores() -> None:
     _train(model, opt, 3)
     base = _values(model)
     model, opt = _build()
-    cfg = _from_mapping(
+    cfg = config_from_mapping(
         {"memdoctor_config": 1, "optimizer": "offload", "offload_parameters": ["embed"]}, "test"
     )
     applied = memdoctor.apply(cfg, model, opt)

@@ -26,8 +26,10 @@ import transformers.training_args as hf_args
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from memdoctor.config import DataLoaderSettings, PlanConfig
-from memdoctor.levers import FrameworkPatch, frameworks
-from memdoctor.levers.frameworks import MicroBatchSampler, _lightning_kwargs, _State, patch_frameworks
+from memdoctor.levers import FrameworkPatch, frameworks_lightning
+from memdoctor.levers.frameworks import MicroBatchSampler, patch_frameworks
+from memdoctor.levers.frameworks_lightning import trainer_kwargs
+from memdoctor.levers.frameworks_state import FrameworkState
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parent.parent
@@ -183,8 +185,8 @@ def test_lightning_precision(tmp_path: Path) -> None:
 
 
 def test_lightning_precision_conflict_follows_the_plan_and_says_so() -> None:
-    state = _State(PlanConfig(precision="bf16"), announce=lambda line: None)
-    kwargs, armed = _lightning_kwargs(state, {"precision": "16-mixed", "max_steps": 3})
+    state = FrameworkState(PlanConfig(precision="bf16"), announce=lambda line: None)
+    kwargs, armed = trainer_kwargs(state, {"precision": "16-mixed", "max_steps": 3})
     assert kwargs == {"precision": "bf16-mixed", "max_steps": 3} and armed is None
     assert state.lines == [
         "Lightning: precision='bf16-mixed' (the script set '16-mixed'; the plan's is used)"
@@ -211,7 +213,7 @@ def test_lightning_loader_that_fails_to_rebuild_keeps_the_scripts_batches(
     def refuse(loader: Any, batch_sampler: Any) -> Any:
         raise TypeError("unexpected keyword argument 'in_order'")
 
-    monkeypatch.setattr(frameworks, "_rebuild", refuse)
+    monkeypatch.setattr(frameworks_lightning, "_rebuild", refuse)
     got = run("fw_lightning.py", tmp_path, config=PlanConfig(accumulation_steps=2))
     assert (got["accumulate_grad_batches"], got["batch_sizes"]) == (1, [8, 8, 8])
     assert "could not be rebuilt (TypeError: unexpected keyword" in got["patch"].lines[-1]
@@ -283,10 +285,10 @@ assert "_memdoctor" not in repr(sys.meta_path)
 
 
 def test_an_unexpected_error_is_said_and_never_raised_into_the_script() -> None:
-    state = _State(PlanConfig(accumulation_steps=2), announce=lambda line: None)
+    state = FrameworkState(PlanConfig(accumulation_steps=2), announce=lambda line: None)
     state.loader_hook = True
     kwargs = {"accumulate_grad_batches": "every other"}  # not a number: int() raises inside the patch
-    assert state.guard("Lightning Trainer", _lightning_kwargs, state, kwargs) is None
+    assert state.guard("Lightning Trainer", trainer_kwargs, state, kwargs) is None
     assert state.lines == [
         "Lightning Trainer: not (fully) applied: ValueError: invalid literal for int() with base 10: "
         "'every other'; the rest stays the script's own"

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tracebuilder import TraceBuilder, tiny_mlp
 
-from memdoctor.capture import transfers
+from memdoctor.capture import transferwraps
 from memdoctor.capture.collectors import CollectorUnavailable
 from memdoctor.capture.session import ProfileSession
 from memdoctor.capture.transfers import COPY_CAP, TransferCollector
@@ -205,13 +205,13 @@ def test_unavailable_without_a_cuda_device() -> None:
 
 def test_helpers_parse_to_arguments() -> None:
     meta = torch.zeros(1, device="meta")
-    assert transfers._target(("cuda:1",), {}, "cuda") == "cuda"
-    assert transfers._target((torch.float16,), {}, "cuda") is None
-    assert transfers._target((), {"device": torch.device("cpu")}, "cuda") == "cpu"
-    assert transfers._target((meta,), {}, "cuda") == "meta"
-    assert transfers._target((0,), {}, "cuda") == "cuda"
-    assert transfers._flag(("cuda", torch.float16, True), {}, "non_blocking") is True
-    assert transfers._flag(("cuda",), {"non_blocking": False}, "non_blocking") is False
+    assert transferwraps._target(("cuda:1",), {}, "cuda") == "cuda"
+    assert transferwraps._target((torch.float16,), {}, "cuda") is None
+    assert transferwraps._target((), {"device": torch.device("cpu")}, "cuda") == "cpu"
+    assert transferwraps._target((meta,), {}, "cuda") == "meta"
+    assert transferwraps._target((0,), {}, "cuda") == "cuda"
+    assert transferwraps._flag(("cuda", torch.float16, True), {}, "non_blocking") is True
+    assert transferwraps._flag(("cuda",), {"non_blocking": False}, "non_blocking") is False
 
 
 # ----------------------------------------------------------------------------------------- analysis

@@ -25,14 +25,15 @@ A collector is a small object the ``ProfileSession`` calls at fixed points. Ever
   merged into ``step.modules``.
 
 Collector-wide facts (the device's PCIe link, a measured bandwidth) go out once through
-``session.emit(name, data)`` as a ``collector`` record. Collectors are looked up by name in
-``REGISTRY`` and imported lazily, so a missing optional dependency disables one collector, says why
-in the trace's ``not_measured``, and leaves the others working.
+``session.emit(name, data)`` as a ``collector`` record. The collectors are an explicit list of
+imported classes (``collector_classes``): a missing memdoctor module is an ImportError. A missing
+optional dependency (nvtx, an NVIDIA driver) is the collector's own business: its constructor raises
+``CollectorUnavailable``, which disables that one collector, says why in the trace's ``not_measured``,
+and leaves the others working.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,15 +41,10 @@ if TYPE_CHECKING:
 
     from memdoctor.capture.session import ProfileSession
 
-# name -> "module:Class". The order is the order collectors are started and called.
-REGISTRY: dict[str, str] = {
-    "device": "memdoctor.capture.devicefacts:DeviceFactsCollector",
-    "nvtx": "memdoctor.capture.nvtxranges:NvtxCollector",
-    "data": "memdoctor.capture.dataloader:DataCollector",
-    "transfers": "memdoctor.capture.transfers:TransferCollector",
-    "histograms": "memdoctor.capture.histograms:HistogramCollector",
-    "flops": "memdoctor.capture.flops:FlopCollector",
-}
+# What ``--collect`` accepts: each collector class's ``name``, in the order ``collector_classes`` lists
+# them (the order they are started and called). Plain strings, so the launching process checks
+# ``--collect`` without importing torch.
+NAMES: tuple[str, ...] = ("device", "nvtx", "data", "transfers", "histograms", "flops")
 ALL = "all"
 NONE = "none"
 
@@ -101,32 +97,49 @@ def parse_names(text: str | None) -> list[str]:
     Raises ValueError with a one-line message for an unknown name."""
     text = (text or ALL).strip().lower()
     if text == ALL:
-        return list(REGISTRY)
+        return list(NAMES)
     if text == NONE:
         return []
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in REGISTRY]
+    unknown = [n for n in names if n not in NAMES]
     if unknown:
-        known = ", ".join(REGISTRY)
+        known = ", ".join(NAMES)
         raise ValueError(f"unknown collector {unknown[0]!r}: choose from {known}, or all / none")
-    return [n for n in REGISTRY if n in names]  # registry order, each once
+    return [n for n in NAMES if n in names]  # registry order, each once
+
+
+def collector_classes() -> dict[str, type[Collector]]:
+    """Every collector class by its ``name``, in ``NAMES`` order.
+
+    Imported here rather than at the top: each collector module imports this one (for ``Collector``),
+    and ``parse_names`` runs in the launching process, which never imports torch."""
+    from memdoctor.capture.dataloader import DataCollector
+    from memdoctor.capture.devicefacts import DeviceFactsCollector
+    from memdoctor.capture.flops import FlopCollector
+    from memdoctor.capture.histograms import HistogramCollector
+    from memdoctor.capture.nvtxranges import NvtxCollector
+    from memdoctor.capture.transfers import TransferCollector
+
+    classes: list[type[Collector]] = [
+        DeviceFactsCollector,
+        NvtxCollector,
+        DataCollector,
+        TransferCollector,
+        HistogramCollector,
+        FlopCollector,
+    ]
+    return {cls.name: cls for cls in classes}
 
 
 def make_collectors(names: list[str], **options: Any) -> tuple[list[Collector], list[str]]:
     """Instantiate the named collectors; return them and a ``not_measured`` note for each that cannot
-    run here (its module is missing, or it says it cannot: ``CollectorUnavailable``)."""
+    run here (it says it cannot: ``CollectorUnavailable``)."""
+    classes = collector_classes()
     out: list[Collector] = []
     notes: list[str] = []
     for name in names:
-        target = REGISTRY[name]
-        module_name, _, cls_name = target.partition(":")
         try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError):
-            notes.append(f"{name}: this memdoctor build has no {name} collector")
-            continue
-        try:
-            out.append(cls(**options))
+            out.append(classes[name](**options))
         except CollectorUnavailable as exc:
             notes.append(f"{name}: {exc}")
     return out, notes

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memdoctor import patching
 from memdoctor.capture.batchtraits import BatchTraits, batch_traits, call_traits
 from memdoctor.capture.collectors import Collector
 from memdoctor.device import Device
@@ -78,7 +79,7 @@ class DataCollector(Collector):
         self._session: ProfileSession | None = None
         self._thread: int | None = None
         self._active = False
-        self._patched: tuple[type, Any, Any] | None = None
+        self._patched: patching.Undo | None = None
         self._why_not: str | None = None
         self._failure: str | None = None
         self._steps: dict[int, _StepFigures] = {}
@@ -101,9 +102,7 @@ class DataCollector(Collector):
     def stop(self) -> None:
         self._active = False
         if self._patched is not None:
-            cls, original, wrapper = self._patched
-            if cls.__dict__.get("__next__") is wrapper:  # else someone wrapped ours: it passes through
-                setattr(cls, "__next__", original)  # noqa: B010 - a dunder set back on the class
+            self._patched()  # restores only if still ours; else someone wrapped ours: it passes through
             self._patched = None
         for handle in self._hooks:
             handle.remove()
@@ -117,9 +116,7 @@ class DataCollector(Collector):
                 "this torch has no DataLoader iterator method to time (_BaseDataLoaderIter.__next__)"
             )
             return
-        wrapper = _fetch_wrapper(self, original)
-        setattr(cls, "__next__", wrapper)  # noqa: B010
-        self._patched = (cls, original, wrapper)
+        self._patched = patching.set_attr(cls, "__next__", _fetch_wrapper(self, original))
 
     def _emit_facts(self) -> None:
         if self._session is None:

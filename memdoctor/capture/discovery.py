@@ -10,6 +10,7 @@ names read as the user wrote them (``bert.encoder.layer.3``).
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,3 +143,58 @@ def storage_nbytes(t: torch.Tensor) -> int:
         return int(t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError, AttributeError):
         return t.numel() * t.element_size()
+
+
+class TrainedModels:
+    """The models the session found (``models``), where each module sits in them (``index``: id(module)
+    -> (model, module index)), the optimizers seen and the top-level modules called so far.
+
+    ``on_model`` is told of each model as it is added, so the session can watch its gradients and the
+    collectors learn its modules."""
+
+    def __init__(self, on_model: Callable[[DiscoveredModel], None]) -> None:
+        self.on_model = on_model
+        self.models: list[DiscoveredModel] = []
+        self.index: dict[int, tuple[int, int]] = {}
+        self.known_opts: set[int] = set()
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.roots_seen: set[int] = set()
+        self.roots: list[nn.Module] = []
+
+    def saw_root(self, module: nn.Module) -> bool:
+        """Note a top-level module call; whether it is the first call of that module."""
+        if id(module) in self.roots_seen:
+            return False
+        self.roots_seen.add(id(module))
+        self.roots.append(module)
+        return True
+
+    def started(self) -> bool:
+        """Whether a step began: a forward ran or an optimizer stepped."""
+        return bool(self.roots_seen or self.known_opts)
+
+    def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer stepped for the first time: describe the models whose parameters it steps."""
+        self.known_opts.add(id(opt))
+        self.optimizers.append(opt)
+        params = {id(p) for p in optimizer_params(opt)}
+        owned = {pid for m in self.models for pid in m.param_owner}
+        if params <= owned:
+            return
+        for root in find_trained_roots(params - owned):
+            if any(m.modules[0] is root for m in self.models):
+                continue
+            self._add(describe_model(len(self.models), root, self.optimizers))
+
+    def add_seen(self) -> None:
+        """Describe the top-level modules seen so far as models (for a fault before any optimizer step)."""
+        if self.models:
+            return
+        for root in self.roots:
+            self._add(describe_model(len(self.models), root, self.optimizers))
+
+    def _add(self, model: DiscoveredModel) -> None:
+        self.models.append(model)
+        for i, mod in enumerate(model.modules):
+            self.index.setdefault(id(mod), (model.info.index, i))
+        self.on_model(model)

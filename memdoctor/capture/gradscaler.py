@@ -16,11 +16,12 @@ scalers of HF Trainer, accelerate and Lightning are subclasses that inherit ``st
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from memdoctor import patching
 
 OnStep = Callable[[Any], None]  # called with the device scale tensor (or None) before the scaler steps
 OnSkipped = Callable[[Any], None]  # called with the optimizer whose step the scaler skipped
@@ -31,36 +32,32 @@ class ScalerWatch:
 
     def __init__(self, on_step: OnStep, on_skipped: OnSkipped, optimizer_steps: Callable[[], int]) -> None:
         self._on_step, self._on_skipped, self._count = on_step, on_skipped, optimizer_steps
-        self._original: Any = None
-        self._wrapper: Any = None
+        self._undo: patching.Undo | None = None
 
     def install(self) -> None:
         owner = _scaler_class()
-        if owner is None or self._original is not None:
+        if owner is None or self._undo is not None:
             return
-        original = owner.step
-        watch = self
+        self._undo = patching.wrap_attr(owner, "step", self._wrap)
 
-        @functools.wraps(original)
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if not _enabled(scaler):
                 return original(scaler, optimizer, *args, **kwargs)
-            watch._on_step(_scale_copy(scaler))
-            before = watch._count()
+            self._on_step(_scale_copy(scaler))
+            before = self._count()
             out = original(scaler, optimizer, *args, **kwargs)
-            if watch._count() == before:  # no optimizer step hook ran: the scaler skipped the step
-                watch._on_skipped(optimizer)
+            if self._count() == before:  # no optimizer step hook ran: the scaler skipped the step
+                self._on_skipped(optimizer)
             return out
 
-        self._original, self._wrapper = original, step
-        owner.step = step
+        return step
 
     def remove(self) -> None:
         """Put the original back, unless someone wrapped it again after us (then ours passes through)."""
-        owner = _scaler_class()
-        if owner is not None and self._original is not None and vars(owner).get("step") is self._wrapper:
-            owner.step = self._original
-        self._original = self._wrapper = None
+        if self._undo is not None:
+            self._undo()
+        self._undo = None
 
 
 def _scaler_class() -> Any:

@@ -24,12 +24,25 @@ multiplied by the loss scale, and the trace records each tensor's dtype so a rea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memdoctor.capture.collectors import Collector
+from memdoctor.capture.histsample import (
+    DTYPE_NAMES,
+    DTYPES,
+    EXP_BINS,
+    FP16_MAX,
+    LOG2_MAX,
+    LOG2_MIN,
+    SAMPLE_SIZE,
+    DeviceRows,
+    Row,
+    copy_sample,
+    device_stats,
+    first_float,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,15 +50,6 @@ if TYPE_CHECKING:
     from memdoctor.capture.session import ProfileSession
     from memdoctor.device import Device
 
-SAMPLE_SIZE = 4096  # values sampled per tensor; the fractions come from this sample
-LOG2_MIN = -48  # bin LOG2_MIN holds every non-zero |x| < 2**(LOG2_MIN + 1)
-LOG2_MAX = 47  # bin LOG2_MAX holds every finite |x| >= 2**LOG2_MAX
-EXP_BINS = LOG2_MAX - LOG2_MIN + 1
-# Device-side bin layout: 0 zero, 1..EXP_BINS the exponents, then non-finite, then unused (padding).
-_NONFINITE_BIN = EXP_BINS + 1
-_PAD_BIN = EXP_BINS + 2
-FP16_MAX = 65504.0
-CHUNK_ROWS = 32  # sample-buffer rows allocated at a time (32 x 4096 float32 = 512 KiB)
 KEEP_STEPS = 4  # steps whose results stay cached for their final record
 MAX_ROWS = 1024  # per step; calls beyond it are counted as skipped, not measured
 DIRECTIONS = ("forward", "backward")
@@ -54,53 +58,6 @@ ENTRY_KEYS = (
     *("module", "dtype", "numel", "sampled", "abs_max", "nonfinite_any"),
     *("zero", "nonfinite", "overflow", "log2_lo", "counts"),
 )
-# aminmax supports these; other floating types (float8) are skipped rather than failing in a hook.
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_DTYPE_NAMES[torch.float64] = "float64"
-
-
-@dataclass
-class _Row:
-    """One measured tensor: whose, which direction, how it was sampled."""
-
-    key: int
-    direction: int  # index into DIRECTIONS
-    dtype: torch.dtype
-    numel: int
-    sampled: int
-
-
-_Views = list[torch.Tensor]
-
-
-@dataclass
-class _DeviceRows:
-    """Preallocated rows on one device: float32 samples and, per dtype, the (min, max) slots.
-
-    The per-row views are made once, when a chunk is allocated, so the hot path only indexes lists."""
-
-    device: torch.device
-    samples: list[torch.Tensor] = field(default_factory=list)  # CHUNK_ROWS x SAMPLE_SIZE each
-    minmax: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)  # 2 x CHUNK_ROWS each
-    rows: list[_Row] = field(default_factory=list)
-    _sample_views: list[torch.Tensor] = field(default_factory=list)
-    _slot_views: dict[torch.dtype, tuple[_Views, _Views]] = field(default_factory=dict)  # (mins, maxs)
-
-    def slot(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The next free row: its sample row and its min and max slots (allocated on first use only)."""
-        i = len(self.rows)
-        while len(self._sample_views) <= i:
-            chunk = torch.zeros(CHUNK_ROWS, SAMPLE_SIZE, device=self.device)
-            self.samples.append(chunk)
-            self._sample_views += chunk.unbind(0)
-        lows, highs = self._slot_views.setdefault(dtype, ([], []))
-        while len(lows) <= i:
-            mm = torch.zeros(2, CHUNK_ROWS, dtype=dtype, device=self.device)
-            self.minmax.setdefault(dtype, []).append(mm)
-            lows += mm[0].unbind(0)
-            highs += mm[1].unbind(0)
-        return self._sample_views[i], lows[i], highs[i]
 
 
 class HistogramCollector(Collector):
@@ -111,7 +68,7 @@ class HistogramCollector(Collector):
 
     def __init__(self, device: Device | None = None, **_: Any) -> None:
         self._session: ProfileSession | None = None
-        self._devices: dict[torch.device, _DeviceRows] = {}
+        self._devices: dict[torch.device, DeviceRows] = {}
         self._open = False
         self._step = -1
         self._batch_step = -1  # the step the rows in the buffers belong to
@@ -138,7 +95,7 @@ class HistogramCollector(Collector):
     # ---------------------------------------------------------------------------------- hot path
     def on_forward_post(self, key: int, module: nn.Module, output: Any, depth: int, timed: bool) -> None:
         if timed and self._open:
-            tensor = _first_float(output)
+            tensor = first_float(output)
             if tensor is not None:
                 self._record(key, 0, tensor)
 
@@ -148,7 +105,7 @@ class HistogramCollector(Collector):
 
     def _record(self, key: int, direction: int, tensor: torch.Tensor) -> None:
         """Two launches: aminmax into the row's slots, the strided sample into its buffer row."""
-        if tensor.dtype not in _DTYPES or tensor.layout != torch.strided or tensor.is_meta:
+        if tensor.dtype not in DTYPES or tensor.layout != torch.strided or tensor.is_meta:
             return
         if self._batch_step != self._step:
             self._new_batch()
@@ -156,7 +113,7 @@ class HistogramCollector(Collector):
         if n == 0 or (key, direction) in self._seen:
             return
         rows = self._devices.get(tensor.device) or self._devices.setdefault(
-            tensor.device, _DeviceRows(tensor.device)
+            tensor.device, DeviceRows(tensor.device)
         )
         if self._total_rows() >= MAX_ROWS:
             self._skipped += 1
@@ -166,12 +123,12 @@ class HistogramCollector(Collector):
         try:
             sample_row, lo, hi = rows.slot(x.dtype)
             torch.aminmax(x, out=(lo, hi))
-            k = _copy_sample(x, sample_row)
+            k = copy_sample(x, sample_row)
         except (RuntimeError, TypeError, NotImplementedError):
             # A tensor subclass or backend without these ops: skip this tensor, keep measuring others.
             self._skipped += 1
             return
-        rows.rows.append(_Row(key, direction, x.dtype, n, k))
+        rows.rows.append(Row(key, direction, x.dtype, n, k))
 
     def _new_batch(self) -> None:
         """A new step's first tensor: the old rows were read already, or no record wants them."""
@@ -204,16 +161,16 @@ class HistogramCollector(Collector):
 
     def _read(self, step: int) -> dict[str, Any] | None:
         """Batched statistics of every row, one read to the host, grouped per model and direction."""
-        per_row: list[tuple[_Row, list[float]]] = []
+        per_row: list[tuple[Row, list[float]]] = []
         for rows in self._devices.values():
             if rows.rows:
-                per_row += zip(rows.rows, _device_stats(rows), strict=True)
+                per_row += zip(rows.rows, device_stats(rows), strict=True)
         field_ = self._group(per_row)
         for rows in self._devices.values():
             rows.rows.clear()
         return field_
 
-    def _group(self, per_row: list[tuple[_Row, list[float]]]) -> dict[str, Any] | None:
+    def _group(self, per_row: list[tuple[Row, list[float]]]) -> dict[str, Any] | None:
         assert self._session is not None
         models: dict[str, dict[str, dict[str, list[Any]]]] = {}
         for row, stats in per_row:
@@ -226,125 +183,6 @@ class HistogramCollector(Collector):
         if not models:
             return None
         return {"models": models, "skipped_calls": self._skipped}
-
-
-# -------------------------------------------------------------------------------------- sampling
-
-
-def _first_float(obj: Any, depth: int = 0) -> torch.Tensor | None:
-    """The first floating tensor of an output that takes part in autograd, else the first at all."""
-    found: list[torch.Tensor] = []
-    _floats(obj, depth, found)
-    for t in found:
-        if t.requires_grad:
-            return t
-    return found[0] if found else None
-
-
-def _floats(obj: Any, depth: int, found: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            found.append(obj)
-        return
-    if depth > 2 or len(found) > 8:
-        return
-    items: Any = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
-    for item in items:
-        _floats(item, depth + 1, found)
-
-
-def _copy_sample(x: torch.Tensor, row: torch.Tensor) -> int:
-    """Copy at most ``len(row)`` values of ``x``, spread over the whole tensor, into ``row`` (one
-    kernel: a strided read with the dtype conversion to float32); return how many."""
-    n, size = x.numel(), row.numel()
-    if x.is_contiguous():
-        step = _coprime_step(-(-n // size), x.shape[-1] if x.dim() else 1)
-        k = -(-n // step)
-        row[:k].copy_(x.view(-1)[::step])
-        return k
-    view = x[tuple(slice(None, None, s) for s in _dim_steps(tuple(x.shape), size))]
-    k = view.numel()
-    row[:k].view(view.shape).copy_(view)
-    return k
-
-
-def _coprime_step(step: int, last_dim: int) -> int:
-    """The smallest stride >= ``step`` that shares no factor with the innermost dimension, so that a
-    sample of a (batch, sequence, hidden) tensor covers every hidden channel instead of a few."""
-    while step > 1 and math.gcd(step, last_dim) != 1:
-        step += 1
-    return step
-
-
-def _dim_steps(shape: tuple[int, ...], budget: int) -> list[int]:
-    """Per-dimension strides for a non-contiguous tensor: each dimension gets a fair share of the
-    budget (a small one is taken whole and leaves more to the others); the product stays <= budget."""
-    steps: list[int] = []
-    left = budget
-    for i, size in enumerate(shape):
-        share = max(1, int(left ** (1.0 / (len(shape) - i)) + 1e-9))
-        step = -(-size // min(size, share)) if size else 1
-        steps.append(step)
-        left = max(1, left // max(1, -(-size // step)))
-    return steps
-
-
-# -------------------------------------------------------------------------------------- statistics
-
-
-def _device_stats(rows: _DeviceRows) -> list[list[float]]:
-    """Per row: ``[abs_max, overflow, counts per bin (zero, exponents, non-finite)]`` as floats.
-
-    A few kernels per 32-row chunk (|x|, log2, floor, the bin index, a scatter-add, the overflow
-    count), all results concatenated and read with one copy to the host: the step's only sync."""
-    parts: list[torch.Tensor] = []
-    lengths = [r.sampled for r in rows.rows]
-    for c, chunk in enumerate(rows.samples):
-        mine = lengths[c * CHUNK_ROWS : (c + 1) * CHUNK_ROWS]
-        if not mine:
-            break
-        width = max(mine)  # only the columns some row of this chunk uses
-        valid = torch.arange(width, device=rows.device) < _host_list(mine, rows.device)[:, None]
-        parts.append(_chunk_stats(chunk[: len(mine), :width], valid, _abs_max(rows, c, len(mine))))
-    host = torch.cat(parts).to(torch.float64).cpu()
-    return host.tolist()
-
-
-def _host_list(values: list[Any], device: torch.device) -> torch.Tensor:
-    """A small host list on the device without a sync: ``torch.tensor(values, device=cuda)`` copies from
-    pageable memory, which waits for the GPU (``set_sync_debug_mode`` flags it); a pinned copy is queued."""
-    host = torch.tensor(values)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _abs_max(rows: _DeviceRows, chunk: int, m: int) -> torch.Tensor:
-    """Each row's exact absolute max from the (min, max) slot of its dtype (NaN when it holds a NaN)."""
-    out = torch.zeros(m, dtype=torch.float64, device=rows.device)
-    dtypes = [r.dtype for r in rows.rows[chunk * CHUNK_ROWS : chunk * CHUNK_ROWS + m]]
-    for dtype, slots in rows.minmax.items():
-        if chunk >= len(slots) or dtype not in dtypes:
-            continue
-        mine = _host_list([d == dtype for d in dtypes], rows.device)
-        mm = slots[chunk][:, :m].to(torch.float64)
-        out = torch.where(mine, torch.maximum(-mm[0], mm[1]), out)
-    return out
-
-
-def _chunk_stats(sample: torch.Tensor, valid: torch.Tensor, abs_max: torch.Tensor) -> torch.Tensor:
-    a = sample.abs()
-    finite = torch.isfinite(a)
-    exp = torch.log2(a).floor_().clamp_(LOG2_MIN, LOG2_MAX) - (LOG2_MIN - 1)  # 1..EXP_BINS
-    idx = torch.where(a == 0, torch.zeros_like(exp), exp)
-    idx = torch.where(finite, idx, torch.full_like(exp, _NONFINITE_BIN))
-    idx = torch.where(valid, idx, torch.full_like(exp, _PAD_BIN)).long()
-    counts = torch.zeros(a.shape[0], _PAD_BIN + 1, dtype=torch.int64, device=a.device)
-    counts.scatter_add_(1, idx, torch.ones_like(idx))
-    overflow = ((a > FP16_MAX) & valid).sum(1, keepdim=True)  # inf included, NaN not
-    return torch.cat(
-        [abs_max[:, None], overflow.to(torch.float64), counts[:, :_PAD_BIN].to(torch.float64)], 1
-    )
 
 
 # -------------------------------------------------------------------------------------- trace layout
@@ -367,7 +205,7 @@ def _empty_columns() -> dict[str, list[Any]]:
     return {k: [] for k in ENTRY_KEYS}
 
 
-def _append(cols: dict[str, list[Any]], module: int, row: _Row, stats: list[float]) -> None:
+def _append(cols: dict[str, list[Any]], module: int, row: Row, stats: list[float]) -> None:
     """One measured tensor's entry: counts trimmed to the exponents that occur (``log2_lo`` first)."""
     abs_max, overflow, counts = stats[0], stats[1], [int(c) for c in stats[2:]]
     zero, exps, nonfinite = counts[0], counts[1 : EXP_BINS + 1], counts[EXP_BINS + 1]
@@ -375,7 +213,7 @@ def _append(cols: dict[str, list[Any]], module: int, row: _Row, stats: list[floa
     lo, hi = (used[0], used[-1] + 1) if used else (0, 0)
     finite_max = math.isfinite(abs_max)
     cols["module"].append(module)
-    cols["dtype"].append(_DTYPE_NAMES.get(row.dtype, str(row.dtype)))
+    cols["dtype"].append(DTYPE_NAMES.get(row.dtype, str(row.dtype)))
     cols["numel"].append(row.numel)
     cols["sampled"].append(row.sampled)
     cols["abs_max"].append(float(f"{abs_max:.6g}") if finite_max else None)

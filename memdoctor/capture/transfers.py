@@ -30,7 +30,6 @@ thread.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import threading
@@ -40,21 +39,18 @@ from typing import Any
 
 import torch
 
+from memdoctor import patching
+from memdoctor.capture import transferwraps
 from memdoctor.capture.collectors import Collector, CollectorUnavailable
+from memdoctor.capture.transferlog import COPY_CAP, READ_OPS, PcieSampler, Reader, StepLog, pcie_field
 from memdoctor.device import Device, nvml
 
-COPY_CAP = 256  # copies listed one by one per step; the rest are aggregated
-TIMED_CAP = 64  # non-blocking copies per step that get a device-marker pair
-PCIE_SAMPLES_CAP = 200  # PCIe samples per step in the trace
-SAMPLE_INTERVAL_S = 0.1
-READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
-READ_OPS = frozenset(n.strip("_") for n in READS)  # the ``op`` a read is logged as
+__all__ = ["COPY_CAP", "TransferCollector"]
 
-Reader = Callable[[], "tuple[int, int] | None"]
-# Under torch.compile, dynamo traces into the wrappers: the first thing each does is this check (which
-# dynamo understands), so a compiled region sees the original call and no bookkeeping to trace.
-_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_HERE = globals()
+TIMED_CAP = 64  # non-blocking copies per step that get a device-marker pair
+SAMPLE_INTERVAL_S = 0.1
+# The modules whose frames ``_site`` steps over: the collector's and its wrappers'.
+_OWN = frozenset({__name__, transferwraps.__name__})
 
 
 class TransferCollector(Collector):
@@ -88,7 +84,7 @@ class TransferCollector(Collector):
         self.local = threading.local()
         self.logs: dict[int, StepLog] = {}
         self.fields: dict[int, tuple[int, dict[str, Any]]] = {}
-        self.patches: list[tuple[Any, str, Any, bool, Any]] = []
+        self.patches: list[patching.Undo] = []
         self.sampler: PcieSampler | None = None
         self.t0 = time.perf_counter()
 
@@ -141,29 +137,20 @@ class TransferCollector(Collector):
     # ------------------------------------------------------------------------------ patches
     def _install(self) -> None:
         tensor = torch.Tensor
-        for name, make in _TENSOR_WRAPPERS.items():
+        for name, make in transferwraps.TENSOR_WRAPPERS.items():
             self._patch(tensor, name, make)
         for name in ("tensor", "as_tensor"):
-            self._patch(torch, name, _wrap_factory)
+            self._patch(torch, name, transferwraps.wrap_factory)
 
     def _patch(self, owner: Any, name: str, make: Callable[..., Any]) -> None:
-        original = getattr(owner, name)
-        had_own = name in vars(owner)
-        wrapper = functools.wraps(original)(make(self, original, name))
-        setattr(owner, name, wrapper)
-        self.patches.append((owner, name, original, had_own, wrapper))
+        self.patches.append(patching.wrap_attr(owner, name, lambda original: make(self, original, name)))
 
     def _uninstall(self) -> None:
-        """Put every original back exactly (a method torch.Tensor inherited is deleted again, not set).
-        One that someone wrapped again after us stays, and our wrapper under it passes calls through."""
+        """Put every original back (a method torch.Tensor inherited is deleted again, not set). One that
+        someone wrapped again after us stays (``memdoctor.patching``), and our wrapper under it passes
+        calls through."""
         while self.patches:
-            owner, name, original, had_own, wrapper = self.patches.pop()
-            if vars(owner).get(name) is not wrapper:
-                continue
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+            self.patches.pop()()
 
     # ------------------------------------------------------------------------------ recording
     def busy(self) -> bool:
@@ -266,314 +253,6 @@ class TransferCollector(Collector):
         return field
 
 
-# ---------------------------------------------------------------------------------------- step log
-
-Raw = tuple[str, str, int, bool, bool, bool, str, Any, str, float, Any]
-
-
-class StepLog:
-    """What one step moved: the first ``COPY_CAP`` copies one by one, the rest aggregated."""
-
-    __slots__ = ("copies", "groups", "more_count", "pinned_bytes", "pinned_calls", "timed")
-
-    def __init__(self) -> None:
-        self.copies: list[Raw] = []
-        self.groups: dict[tuple[Any, ...], list[float]] = {}
-        self.more_count = 0
-        self.timed = 0
-        self.pinned_bytes = 0
-        self.pinned_calls = 0
-
-    def add(self, raw: Raw) -> None:
-        if len(self.copies) < COPY_CAP:
-            self.copies.append(raw)
-            return
-        op, direction, nbytes, pinned, nb, sync, phase, where, _site, host_ms, _ = raw
-        key = (direction, phase, where, pinned, nb, op)
-        group = self.groups.get(key)
-        if group is None:
-            group = self.groups[key] = [0, 0, 0.0]
-        group[0] += 1
-        group[1] += nbytes
-        group[2] += host_ms if sync else 0.0
-        self.more_count += 1
-
-    def to_field(self, device: Device) -> dict[str, Any]:
-        copies = [_copy_row(raw, device) for raw in list(self.copies)]
-        groups = [_group_row(k, v) for k, v in list(self.groups.items())]
-        return {
-            "h2d": _totals("h2d", copies, groups),
-            "d2h": _totals("d2h", copies, groups),
-            "sync_reads": sum(1 for c in copies if c["op"] in READ_OPS)
-            + sum(g["count"] for g in groups if g["op"] in READ_OPS),
-            "pinned_host": {"bytes": self.pinned_bytes, "calls": self.pinned_calls},
-            "copies": copies,
-            "more": {"count": self.more_count, "groups": groups},
-        }
-
-
-def _copy_row(raw: Raw, device: Device) -> dict[str, Any]:
-    op, direction, nbytes, pinned, nb, sync, phase, where, site, host_ms, marks = raw
-    device_ms = None
-    if marks is not None:
-        ms = device.resolve_ms(marks)
-        device_ms = round(max(0.0, ms[1] - ms[0]), 4)
-    return {
-        "op": op,
-        "dir": direction,
-        "bytes": nbytes,
-        "pinned": pinned,
-        "non_blocking": nb,
-        "sync": sync,
-        "phase": phase,
-        "model": where[0] if where else None,
-        "module": where[1] if where else None,
-        "site": site,
-        "host_ms": round(host_ms, 4) if sync else None,
-        "device_ms": device_ms,
-    }
-
-
-def _group_row(key: tuple[Any, ...], value: list[float]) -> dict[str, Any]:
-    direction, phase, where, pinned, nb, op = key
-    return {
-        "op": op,
-        "dir": direction,
-        "phase": phase,
-        "model": where[0] if where else None,
-        "module": where[1] if where else None,
-        "pinned": pinned,
-        "non_blocking": nb,
-        "count": int(value[0]),
-        "bytes": int(value[1]),
-        "host_ms": round(value[2], 4),
-    }
-
-
-def _totals(direction: str, copies: list[dict[str, Any]], groups: list[dict[str, Any]]) -> dict[str, Any]:
-    mine = [c for c in copies if c["dir"] == direction]
-    more = [g for g in groups if g["dir"] == direction]
-    timed = [c["device_ms"] for c in mine if c["device_ms"] is not None]
-    return {
-        "bytes": sum(c["bytes"] for c in mine) + sum(g["bytes"] for g in more),
-        "copies": len(mine) + sum(g["count"] for g in more),
-        "pageable_bytes": sum(c["bytes"] for c in mine if not c["pinned"])
-        + sum(g["bytes"] for g in more if not g["pinned"]),
-        "sync": sum(1 for c in mine if c["sync"]) + sum(g["count"] for g in more if not g["non_blocking"]),
-        "host_ms": round(sum(c["host_ms"] or 0.0 for c in mine) + sum(g["host_ms"] for g in more), 4),
-        "device_ms": round(sum(timed), 4) if timed else None,
-        "untimed": sum(1 for c in mine if not c["sync"] and c["device_ms"] is None)
-        + sum(g["count"] for g in more if g["non_blocking"]),
-    }
-
-
-def pcie_field(samples: list[tuple[float, int, int]]) -> dict[str, Any] | None:
-    """The step's PCIe samples ``[t_ms, tx, rx]`` (bytes/s; t since profiling start) and their means."""
-    if not samples:
-        return None
-    kept = samples[:PCIE_SAMPLES_CAP]
-    n = len(samples)
-    return {
-        "samples": [[round(t, 1), tx, rx] for t, tx, rx in kept],
-        "count": n,
-        "tx_mean_bytes_per_s": int(sum(s[1] for s in samples) / n),
-        "rx_mean_bytes_per_s": int(sum(s[2] for s in samples) / n),
-        "tx_max_bytes_per_s": max(s[1] for s in samples),
-        "rx_max_bytes_per_s": max(s[2] for s in samples),
-    }
-
-
-# ---------------------------------------------------------------------------------------- sampler
-
-
-class PcieSampler(threading.Thread):
-    """Reads the PCIe throughput counters every ``interval`` seconds until ``halt()``."""
-
-    MAX_SAMPLES = 100_000
-    MAX_FAILURES = 3
-
-    def __init__(self, reader: Reader, interval: float, step: Callable[[], int]) -> None:
-        # Not a daemon, so the test suite sees a sampler left running; it also ends by itself once the
-        # main thread has (interpreter shutdown), so a missed stop() cannot hang the script's exit.
-        super().__init__(name="memdoctor-pcie", daemon=False)
-        self.reader, self.interval, self.step = reader, interval, step
-        self.samples: list[tuple[float, int, int, int]] = []  # (perf_counter, step, tx, rx)
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        main, failures = threading.main_thread(), 0
-        while not self.stopped.wait(self.interval) and main.is_alive():
-            try:
-                value = self.reader()
-            except Exception:  # the sampler must never raise
-                value = None
-            if value is None:
-                failures += 1
-                if failures >= self.MAX_FAILURES:
-                    return
-                continue
-            if len(self.samples) < self.MAX_SAMPLES:
-                self.samples.append((time.perf_counter(), self.step(), int(value[0]), int(value[1])))
-
-    def halt(self) -> None:
-        self.stopped.set()
-
-    def for_step(self, step: int, t0: float) -> list[tuple[float, int, int]]:
-        return [((t - t0) * 1000.0, tx, rx) for t, s, tx, rx in list(self.samples) if s == step]
-
-
-# ---------------------------------------------------------------------------------------- wrappers
-
-
-def _wrap_to(col: TransferCollector, orig: Any, name: str) -> Any:
-    accel = col.accel
-
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _compiling() or col.busy():
-            return orig(self, *args, **kwargs)
-        target = _target(args, kwargs, accel)
-        direction = _direction(self.device.type, target, accel) if target is not None else None
-        if direction is None:
-            return orig(self, *args, **kwargs)
-        host = self if direction == "h2d" else None
-        nb = _flag(args, kwargs, "non_blocking")
-        return col.transfer("to", direction, host, int(self.nbytes), nb, orig, (self, *args), kwargs)
-
-    return to
-
-
-def _wrap_cuda(col: TransferCollector, orig: Any, name: str) -> Any:
-    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _compiling() or col.busy() or self.device.type != "cpu":
-            return orig(self, *args, **kwargs)
-        nb = _flag(args, kwargs, "non_blocking")
-        return col.transfer("cuda", "h2d", self, int(self.nbytes), nb, orig, (self, *args), kwargs)
-
-    return cuda
-
-
-def _wrap_cpu(col: TransferCollector, orig: Any, name: str) -> Any:
-    accel = col.accel
-
-    def cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _compiling() or col.busy() or self.device.type != accel:
-            return orig(self, *args, **kwargs)
-        return col.transfer("cpu", "d2h", None, int(self.nbytes), False, orig, (self, *args), kwargs)
-
-    return cpu
-
-
-def _wrap_copy(col: TransferCollector, orig: Any, name: str) -> Any:
-    accel = col.accel
-
-    def copy_(self: torch.Tensor, src: Any, *args: Any, **kwargs: Any) -> Any:
-        if _compiling() or col.busy() or not isinstance(src, torch.Tensor):
-            return orig(self, src, *args, **kwargs)
-        direction = _direction(src.device.type, self.device.type, accel)
-        if direction is None:
-            return orig(self, src, *args, **kwargs)
-        host = src if direction == "h2d" else self
-        nb = _flag(args, kwargs, "non_blocking")
-        return col.transfer("copy_", direction, host, int(src.nbytes), nb, orig, (self, src, *args), kwargs)
-
-    return copy_
-
-
-def _wrap_read(col: TransferCollector, orig: Any, name: str) -> Any:
-    """``.item()``, ``.tolist()``, ``bool()``, ...: a synchronous device-to-host read."""
-    accel = col.accel
-    op = name.strip("_")
-
-    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if (
-            _compiling()
-            or col.busy()
-            or self.device.type != accel
-            or (name == "numpy" and not _flag(args, kwargs, "force"))
-        ):
-            return orig(self, *args, **kwargs)
-        nbytes = int(self.element_size()) if name != "tolist" else int(self.nbytes)
-        return col.transfer(op, "d2h", None, nbytes, False, orig, (self, *args), kwargs)
-
-    read.__name__ = name
-    return read
-
-
-def _wrap_pin(col: TransferCollector, orig: Any, name: str) -> Any:
-    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _compiling() or col.busy():
-            return orig(self, *args, **kwargs)
-        return col.pin(orig, self, args, kwargs)
-
-    return pin_memory
-
-
-def _wrap_factory(col: TransferCollector, orig: Any, name: str) -> Any:
-    """``torch.tensor(data, device=...)`` / ``torch.as_tensor``: a host-to-device copy of the result."""
-    accel = col.accel
-
-    def factory(data: Any, *args: Any, **kwargs: Any) -> Any:
-        device = kwargs.get("device")
-        if _compiling() or col.busy() or device is None or _device_type(device, accel) != accel:
-            return orig(data, *args, **kwargs)
-        if isinstance(data, torch.Tensor) and data.device.type != "cpu":
-            return orig(data, *args, **kwargs)  # no host side: already on a device
-        return col.transfer(name, "h2d", None, -1, False, orig, (data, *args), kwargs)
-
-    factory.__name__ = name
-    return factory
-
-
-_TENSOR_WRAPPERS: dict[str, Callable[..., Any]] = {
-    "to": _wrap_to,
-    "cuda": _wrap_cuda,
-    "cpu": _wrap_cpu,
-    "copy_": _wrap_copy,
-    "pin_memory": _wrap_pin,
-    **dict.fromkeys(READS, _wrap_read),
-}
-
-
-# ---------------------------------------------------------------------------------------- helpers
-
-
-def _target(args: tuple[Any, ...], kwargs: dict[str, Any], accel: str) -> str | None:
-    """The device type ``Tensor.to(...)`` moves to, or None for a dtype/memory-format change only."""
-    if "device" in kwargs:
-        return _device_type(kwargs["device"], accel)
-    if not args:
-        return None
-    first = args[0]
-    if isinstance(first, torch.Tensor):
-        return first.device.type
-    return _device_type(first, accel)
-
-
-def _device_type(value: Any, accel: str) -> str | None:
-    if isinstance(value, torch.device):
-        return value.type
-    if isinstance(value, str):
-        return value.partition(":")[0]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return accel  # a bare index names an accelerator
-    return None
-
-
-def _direction(src: str, dst: str | None, accel: str) -> str | None:
-    if src == "cpu" and dst == accel:
-        return "h2d"
-    if src == accel and dst == "cpu":
-        return "d2h"
-    return None
-
-
-def _flag(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> bool:
-    """A boolean option given by keyword, or as the first positional bool (``to(dev, dtype, True)``)."""
-    if name in kwargs:
-        return bool(kwargs[name])
-    return next((a for a in args if isinstance(a, bool)), False)
-
-
 def _is_pinned(t: torch.Tensor) -> bool:
     try:
         return t.device.type == "cpu" and bool(t.is_pinned())
@@ -586,11 +265,10 @@ def _site() -> str | None:
     calls (its figures read back in ``step_field``), which are not the script's transfers."""
     frame: Any = sys._getframe(2)
     while frame is not None:
-        glb = frame.f_globals
-        if glb is _HERE:
+        mod = frame.f_globals.get("__name__") or ""
+        if mod in _OWN:
             frame = frame.f_back
             continue
-        mod = glb.get("__name__") or ""
         if mod == "torch" or mod.startswith("torch."):
             frame = frame.f_back
             continue

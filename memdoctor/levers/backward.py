@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from memdoctor import patching
+
 Scale = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -29,12 +31,7 @@ class BackwardPatch:
 
     def install(self) -> Callable[[], None]:
         self.raw = torch.autograd.backward
-        torch.autograd.backward = self._backward
-
-        def undo() -> None:
-            torch.autograd.backward = self.raw
-
-        return undo
+        return patching.set_attr(torch.autograd, "backward", self._backward)
 
     def _backward(self, tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
         user = self._depth == 0 and grad_tensors is None and _scalar(tensors)

@@ -1,6 +1,6 @@
 """``install(config)``: put every part of a plan in place in this process, before the script runs.
 
-At once: the allocator setting, the framework path (``memdoctor.levers.frameworks``, when present),
+At once: the allocator setting, the framework path (``memdoctor.levers.frameworks``),
 the DataLoader settings and padding trim, and a watch for the model. When the script builds the
 model's optimizer (``memdoctor.levers.targets``), before its first training step, the config is
 checked against the model (a stale config stops the run), then offload (``memdoctor.levers.offload``),
@@ -12,8 +12,6 @@ dropped.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,12 +21,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.config import PlanConfig, check_modules
-from memdoctor.config.file import config_from_mapping as _from_mapping
+from memdoctor.config.file import config_from_mapping
 from memdoctor.errors import ConfigError
 from memdoctor.levers import FrameworkPatch
 from memdoctor.levers.apply import _allocator, checkpoint_module, no_kv_cache
 from memdoctor.levers.autocast import LossScaling, autocast_forward
 from memdoctor.levers.backward import BackwardPatch
+from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
 from memdoctor.levers.microbatch import MicroBatching
 from memdoctor.levers.offload import install_offload
@@ -305,7 +304,7 @@ def install(
     ``ConfigError``; ``memdoctor run`` prints the line and exits 2). Call ``remove()`` to undo.
     """
     if not isinstance(config, PlanConfig):
-        config = _from_mapping(dict(config), "config")  # the loader's own checks, on a mapping
+        config = config_from_mapping(dict(config), "config")  # the loader's own checks, on a mapping
     inst = Installation(config, say, fail)
     try:
         _install_now(inst)
@@ -342,9 +341,5 @@ def _install_now(inst: Installation) -> None:
 
 
 def _frameworks(config: PlanConfig) -> FrameworkPatch:
-    """The HF Trainer / Lightning path (``memdoctor.levers.frameworks``), when that module exists."""
-    if importlib.util.find_spec("memdoctor.levers.frameworks") is None:
-        return FrameworkPatch()
-    module = importlib.import_module("memdoctor.levers.frameworks")
-    patch: FrameworkPatch = module.patch_frameworks(config)
-    return patch
+    """The HF Trainer / Lightning path (``memdoctor.levers.frameworks``): their own switches first."""
+    return patch_frameworks(config)
