@@ -1,7 +1,5 @@
-"""Pure analysis of a trace: ``summary.json``'s figures and the tables the report draws.
-
-One module per collector adds its keys (``summary.SECTIONS``); the report assembles the whole
-``summary.json`` with the plan (``memdoctor.report.build_summary``).
+"""Pure functions from a trace to data: summary.json's figures, one module per collector, named like it.
+Imports trace and the base modules only: no torch, no matplotlib, no report (docs/architecture.md).
 """
 
 from __future__ import annotations

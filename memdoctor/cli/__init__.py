@@ -1,10 +1,5 @@
-"""The ``memdoctor`` command line: ``main(argv) -> int``, testable in-process.
-
-Each subcommand is a ``Command`` in the ``COMMANDS`` list, one module each: its options (``configure``)
-and what it does (``run``). ``main`` is the only place that catches errors: a ``MemdoctorError`` becomes
-one line on stderr and its exit code; anything else is a bug, reported as such (traceback with
-``--debug``). The commands import the stages they run inside their functions, so ``memdoctor --help``
-loads neither torch nor the report.
+"""The memdoctor command line: main(argv) -> int, one module per command in COMMANDS, errors caught only here.
+Imports any stage, inside the command functions, so memdoctor --help loads neither torch nor the report.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""``memdoctor.yaml``: the plan as a versioned file, and the same plan in other tools' terms."""
+"""memdoctor.yaml: the plan as a versioned, schema-checked file, and the same plan in other tools' terms.
+Imports plan (the lever vocabulary); applies nothing (docs/architecture.md, docs/config.md).
+"""
 
 from __future__ import annotations
 

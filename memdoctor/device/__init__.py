@@ -1,4 +1,6 @@
-"""The device layer: every touch of CUDA and NVML, so the rest of memdoctor runs on a CPU."""
+"""The device layer: every touch of CUDA and NVML (devices.py, nvml.py); FakeDevice stands in on a CPU.
+Imports only the base modules; knows nothing of modules or plans (docs/architecture.md).
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Applying a ``memdoctor.yaml`` to an unmodified training script, at runtime (``memdoctor run``).
-
-``memdoctor.levers.install.install(config)`` patches this process so that the script, when it runs,
-trains with the plan: each part is an installer with an undo (``memdoctor/levers/*.py``), and the
-model, its optimizer and its batches are found as the script creates and uses them
-(``memdoctor.levers.targets``). How each part is applied, and its limits: docs/config.md, "How
-memdoctor run applies each part". This ``__init__`` imports no torch, so ``memdoctor run``'s parent
-process starts fast.
+"""Applying a memdoctor.yaml to a live, unmodified script (memdoctor run, memdoctor.apply), with undos.
+Imports config, capture and patching; starts no process; this __init__ loads no torch (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The doctor: a what-if memory and time model calibrated from a trace, a planner for a named budget,
-rules with evidence, and the nine-grid. Pure analysis (no torch): it reads a trace and its summary.
-
-See ``docs/planner.md`` for what is modelled, every assumption, and what is not done yet.
+"""The what-if model (workload, memory, time), the planner for a named budget, the rules and the nine-grid.
+Imports analysis and trace; pure data, never draws or writes files (docs/architecture.md, docs/planner.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""``summary.json`` and the HTML report: drawing and templating only; the figures come from analysis
-and the plan."""
+"""summary.json and the HTML report: every chart and template context, from what analysis and plan return.
+Imports config, plan, analysis and trace; computes no figure of its own (docs/architecture.md).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The trace: the one versioned file every stage after capture reads.
-
-``records`` defines each record and its Python object, ``writer`` appends and saves, ``reader`` loads
-and checks (``check`` is the deep check of every field a reader uses).
+"""The trace, the one contract between capture and every later stage: records, writer, reader, deep check.
+Imports only the base modules; it stores figures and never interprets them (docs/architecture.md).
 """
 
 from __future__ import annotations
