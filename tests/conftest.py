@@ -6,10 +6,14 @@ torch functions (``Tensor.to``, the DataLoader iterator's ``__next__``, ...), an
 framework path patches the HF / Lightning Trainer classes through an import hook (``sys.meta_path``); a
 leak would silently change every later test (and, in a user's process, every later step). Every such
 patch goes through ``memdoctor.patching``, whose registry says what is still patched.
+
+``pytest -m fast`` is the edit-test loop's subset: the in-process tests of ``FAST_FILES`` (not those
+marked ``slow``). A fast test that starts a child process fails, so the subset stays what it says.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +34,63 @@ _HOOK_REGISTRIES = (
     ("torch.optim.optimizer", "_global_optimizer_post_hooks"),
 )
 _THREAD_PREFIX = "memdoctor"
+# In-process unit tests on tiny models and hand-built or recorded traces: together well under two minutes
+# on two cores (``pytest -m fast --durations=20`` shows what each costs). The end-to-end runs of scripts,
+# the fuzzers and the browser test stay outside.
+FAST_FILES = frozenset(
+    {
+        "test_api.py",
+        "test_architecture.py",
+        "test_cli.py",
+        "test_collectors.py",
+        "test_compare.py",
+        "test_config.py",
+        "test_device_stats.py",
+        "test_devicefacts.py",
+        "test_gradnorms.py",
+        "test_gradscaler.py",
+        "test_histograms.py",
+        "test_history.py",
+        "test_ledger_offload.py",
+        "test_nvtx.py",
+        "test_offload.py",
+        "test_optimizers.py",
+        "test_plan.py",
+        "test_plan_accuracy_recorded.py",
+        "test_plan_levers.py",
+        "test_plan_rules.py",
+        "test_progress.py",
+        "test_report.py",
+        "test_report_visuals.py",
+        "test_reprofile.py",
+        "test_session_schedule.py",
+        "test_story_scenario.py",
+        "test_story_workload.py",
+        "test_summary.py",
+        "test_transfers.py",
+        "test_verify.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in FAST_FILES and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``fast`` test may not start a child process: the subset is the no-child-process loop."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a test marked fast started a child process: mark it slow")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
 _THREAD_GRACE_S = 2.0
 
 

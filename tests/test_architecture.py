@@ -3,7 +3,7 @@
 Read from the source (every ``import`` and ``from ... import``, inside functions and ``TYPE_CHECKING``
 blocks too), never by importing it, so a lazy import cannot hide an edge. A node is a subpackage of
 ``memdoctor`` or a top-level module; ``memdoctor`` itself is the public facade. Pure AST: no child
-processes, part of the fast subset.
+processes.
 """
 
 from __future__ import annotations
@@ -13,14 +13,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "memdoctor"
 DOC = ROOT / "docs" / "architecture.md"
 LOADERS = {"import_module", "find_spec", "__import__"}
-
-pytestmark = pytest.mark.fast
 
 
 def allowed_imports(text: str) -> dict[str, set[str]]:
