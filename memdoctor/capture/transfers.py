@@ -10,9 +10,9 @@ not looking at a transfer (a dtype cast, a CPU tensor's ``.item()``) costs a few
 
 Why not a ``TorchDispatchMode``: it sees every copy, including those torch makes internally, but it
 runs Python for every operator of the step, which a launch-bound step (hundreds of small kernels)
-would feel as a slowdown of several times; the profiler aims at 1.5x at most (BENCHMARKS.md, overhead). Copies made inside C++ (a
-``DataParallel`` scatter, NCCL) are not seen by the wrappers; the PCIe counters below still see their
-bytes.
+would feel as a slowdown of several times; the profiler aims at 1.5x at most (BENCHMARKS.md,
+overhead). Copies made inside C++ (a ``DataParallel`` scatter, NCCL) are not seen by the wrappers; the
+PCIe counters below still see their bytes.
 
 Each transfer records its bytes, direction (``h2d``/``d2h``), whether the host side is pinned,
 ``non_blocking``, the step, phase and innermost module (``session.current_*``), the source line that
