@@ -534,6 +534,7 @@ def test_readme_documents_every_exit_code() -> None:
         assert f"| {code} |" in readme, f"exit code {code} is missing from the README's table"
 
 
+@pytest.mark.slow  # a child process
 def test_python_dash_m_version() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "memdoctor", "--version"], capture_output=True, text=True, timeout=60
@@ -541,6 +542,7 @@ def test_python_dash_m_version() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"memdoctor {__version__}"
 
 
+@pytest.mark.slow  # a child process
 def test_console_script_help() -> None:
     script = Path(sys.executable).parent / "memdoctor"
     assert script.exists(), f"console script missing at {script}; is memdoctor installed (pip install -e .)?"

@@ -364,6 +364,7 @@ def test_memdoctor_run_offload_with_a_closure_and_fp16(tmp_path: Path) -> None:
     assert max(abs(a - b) for a, b in zip(base, run, strict=True)) < 0.02  # test_run's fp16 tolerance
 
 
+@pytest.mark.slow  # a child process
 def test_memdoctor_run_command_line_prints_the_applied_lines(tmp_path: Path) -> None:
     cfg = tmp_path / "memdoctor.yaml"
     cfg.write_text("memdoctor_config: 1\noptimizer: offload\noffload_parameters: [embed]\n")
