@@ -12,6 +12,7 @@ import pytest
 
 from memdoctor import exitcodes
 from memdoctor.cli import main, parse_args
+from memdoctor.cli.terminal import say
 from memdoctor.launch.reprofile import needed, reprofile
 from memdoctor.launch.rounds import reprofile_profile
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
@@ -247,7 +248,7 @@ def test_the_command_records_in_the_first_trace_and_re_renders(
     path = save_trace(trace, tmp_path / "trace.jsonl.gz")
     result = ProfileResult(exitcodes.OUT_OF_MEMORY, "oom", "died", trace_path=path, summary=summary)
     result, written = reprofile_profile(
-        _request(tmp_path), result, 3, FakeRunner([(exitcodes.OK, gpt2_b8[0])])
+        _request(tmp_path), result, 3, FakeRunner([(exitcodes.OK, gpt2_b8[0])]), say
     )
     assert tmp_path / "reprofile" / "trace.jsonl.gz" in written
     assert result.exit_code == exitcodes.OUT_OF_MEMORY  # the first run's

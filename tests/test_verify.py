@@ -14,6 +14,7 @@ from tracebuilder import TraceBuilder, completed_trace, tiny_mlp
 from memdoctor import exitcodes
 from memdoctor.analysis.verified import verified
 from memdoctor.cli import main, parse_args
+from memdoctor.cli.terminal import say
 from memdoctor.config import config_for_summary, load_config
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
 from memdoctor.launch.verify import (
@@ -373,14 +374,14 @@ def test_verify_profile_records_in_the_first_trace_and_re_renders(
     (tmp_path / "report.html").write_text("old")
     result = ProfileResult(exitcodes.OK, "completed", "ok", trace_path=path, summary=summary)
     runner = FakeRunner([(exitcodes.OK, 7 * GiB), (exitcodes.OK, 7 * GiB)])
-    written = verify_profile(_request(tmp_path), result, 3, runner)
+    written = verify_profile(_request(tmp_path), result, 3, runner, say)
     assert tmp_path / "verify" / "trace.jsonl.gz" in written
     assert load_trace(path).collected[RECORD_NAME]["rounds"][0]["fits"] is True
     assert json.loads((tmp_path / "summary.json").read_text())["verified"]["fits"] is True
     assert 'id="verify-rounds"' in (tmp_path / "report.html").read_text()
     failed = ProfileResult(exitcodes.SCRIPT_FAILED, "exception", "boom", trace_path=path, summary=summary)
     runner = FakeRunner([])
-    assert verify_profile(_request(tmp_path), failed, 3, runner) == [] and runner.requests == []
+    assert verify_profile(_request(tmp_path), failed, 3, runner, say) == [] and runner.requests == []
     assert "not verified: the profiled run ended with exception" in capsys.readouterr().err
 
 

@@ -14,12 +14,11 @@ The profile runner is a parameter, so the loop is testable without a child proce
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from memdoctor import exitcodes
 from memdoctor.config import PlanConfig
-from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.outputs import round_folder
 from memdoctor.plan.measure import batch_size
 from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
@@ -29,8 +28,6 @@ from memdoctor.units import first_names
 
 __all__ = ["RECORD_NAME", "needed", "reprofile"]
 
-Runner = Callable[[ProfileRequest], ProfileResult]
-Say = Callable[[str], None]
 SHOWN = 3  # unmeasured modules named on the terminal
 
 

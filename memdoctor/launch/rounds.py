@@ -11,30 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from memdoctor.launch import reprofile, verify
-from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.trace import Trace, read_trace, save_trace
 
 REPROFILE_FILES = ("trace.jsonl.gz", "summary.json", "report.html")
 VERIFY_FILES = ("trace.jsonl.gz", "summary.json", "report.html", "memdoctor.yaml")
 
 
-def tell(message: str) -> None:
-    """A round's progress line on stderr, as the command line prints its notes."""
-    print(f"memdoctor: {message}", file=sys.stderr)
-
-
 def reprofile_profile(
     request: ProfileRequest,
     result: ProfileResult,
     rounds: int,
-    run: reprofile.Runner,
-    say: reprofile.Say = tell,
+    run: Runner,
+    say: Say,
 ) -> tuple[ProfileResult, list[Path]]:
     """When the run died of OOM before its forward finished: re-profile at smaller micro-batches,
     record the result in the first trace and re-render its report, summary and memdoctor.yaml, which
@@ -54,8 +48,8 @@ def verify_profile(
     request: ProfileRequest,
     result: ProfileResult,
     rounds: int,
-    run: verify.Runner,
-    say: verify.Say = tell,
+    run: Runner,
+    say: Say,
 ) -> list[Path]:
     """``profile --verify``: verify the first run's plan, record the result in the first trace and
     re-render its report; the files the rounds wrote."""

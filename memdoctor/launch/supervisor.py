@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,11 @@ class ProfileResult:
     summary_path: Path | None = None
     summary: dict[str, Any] | None = None
     written: list[Path] = field(default_factory=list)
+
+
+# What the verify and re-profile rounds are given: a way to profile once more, and one to print a note.
+Runner = Callable[[ProfileRequest], ProfileResult]
+Say = Callable[[str], None]
 
 
 @dataclass

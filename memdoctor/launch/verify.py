@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from memdoctor import exitcodes
 from memdoctor.analysis.verified import chosen_round
 from memdoctor.config import CONFIG_FILENAME, PlanConfig, dump_config, from_plan
-from memdoctor.launch.supervisor import ProfileRequest, ProfileResult
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.outputs import round_folder
 from memdoctor.plan.measure import batch_size
 from memdoctor.plan.model import workload
@@ -45,9 +44,6 @@ DEFAULT_ROUNDS = 3
 # assumes at least this much more (an assumption, stated in the record's notes).
 OOM_FLOOR = 1.05
 VERIFIABLE_EXIT_CODES = (exitcodes.OK, exitcodes.OUT_OF_MEMORY)
-
-Runner = Callable[[ProfileRequest], ProfileResult]
-Say = Callable[[str], None]
 
 
 def verify(
