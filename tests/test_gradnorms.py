@@ -320,3 +320,12 @@ def test_big_models_chart_their_top_level_layers() -> None:
     # a block's norm covers its eight parameterised submodules (q, k, v, three dense, two LayerNorms)
     k = chart["layers"].index("bert.encoder.layer.0")
     assert chart["steps"][0]["norms"][k] == pytest.approx(math.sqrt(8))
+
+
+def test_float64_and_mixed_gradients_have_norms() -> None:
+    """A float64 model (LBFGS examples, scientific code) has float64 gradients: their norms are taken
+    in float64 (a float32 norm of them is refused by torch) and returned as float32 like the rest."""
+    grads = [torch.full((3,), 2.0, dtype=torch.float64), torch.full((4,), 1.0), torch.full((1,), 3.0).half()]
+    norms = gradnorms.device_norms(grads)
+    assert norms.dtype == torch.float32
+    assert torch.allclose(norms, torch.tensor([12**0.5, 2.0, 3.0]))

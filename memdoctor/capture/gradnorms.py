@@ -76,14 +76,16 @@ def device_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     # torch._foreach_norm computes all the norms in a few fused kernels instead of one launch per
     # gradient (hundreds for a transformer, which a launch-bound step would feel); it is a private
     # API, so it is used behind a feature check, and a torch without it (or without its dtype
-    # argument) gets the per-tensor loop. float32 so that an fp16 gradient's norm cannot overflow.
+    # argument) gets the per-tensor loop. At least float32 so that an fp16 gradient's norm cannot
+    # overflow; float64 where a gradient is float64 (torch refuses a narrowing dtype), then float32.
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     foreach = getattr(torch, "_foreach_norm", None)
     if foreach is not None:
         try:
-            return torch.stack(list(foreach(grads, 2, dtype=torch.float32)))
+            return torch.stack(list(foreach(grads, 2, dtype=wide))).float()
         except (TypeError, NotImplementedError):
             pass
-    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return torch.stack([torch.linalg.vector_norm(g, dtype=wide) for g in grads]).float()
 
 
 # ----------------------------------------------------------------------------------------- per module
