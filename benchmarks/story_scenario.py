@@ -109,6 +109,28 @@ VIT_GRID: dict[str, list[str]] = {
 }
 
 
+# ResNet-50 b128, plain loop (issue 15): --micro-batch M splits each batch of 128 inside the loop.
+RESNET_GRID: dict[str, list[str]] = {
+    "micro-batch 64 x2": ["--micro-batch", "64"],
+    "checkpoint stages": ["--checkpoint-stages"],
+    "bf16": ["--bf16"],
+    "bf16, channels last": ["--bf16", "--channels-last"],
+    "bf16, micro-batch 64 x2": ["--bf16", "--micro-batch", "64"],
+    "bf16, channels last, micro-batch 64 x2": ["--bf16", "--channels-last", "--micro-batch", "64"],
+    "bf16, checkpoint stages": ["--bf16", "--checkpoint-stages"],
+}
+
+# The minimal GPT trainer (issue 15), batch 12 x 1024 under its own bf16 autocast: the scenario passes
+# --batch-size 12; a grid entry's later --batch-size wins, and batch-size x grad-accum stays 12.
+MINI_GPT_GRID: dict[str, list[str]] = {
+    "micro-batch 6 x2": ["--batch-size", "6", "--grad-accum", "2"],
+    "micro-batch 4 x3": ["--batch-size", "4", "--grad-accum", "3"],
+    "micro-batch 3 x4": ["--batch-size", "3", "--grad-accum", "4"],
+    "checkpoint every block": ["--checkpoint"],
+    "checkpoint every block, micro-batch 6 x2": ["--checkpoint", "--batch-size", "6", "--grad-accum", "2"],
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     """One scenario: its script, the batch every run keeps, its hand grid, and how a tiny run differs."""
@@ -154,6 +176,26 @@ WORKLOADS: dict[str, Workload] = {
         tiny_budget="3MiB",  # the tiny run peaks at ~3.3 MB (CPU accounting): micro-batch 8 x2
         tiny_args=("--tiny", "--device", "cpu", "--batch-size", "16"),
         low_precision=("bf16-mixed", "16-mixed", "bf16-true", "16-true"),
+    ),
+    "resnet-loop": Workload(
+        "resnet_loop.py",
+        128,
+        RESNET_GRID,
+        ("micro-batch 64 x2", "bf16"),
+        tiny_batch=8,
+        tiny_budget="20MiB",
+        tiny_args=("--tiny", "--device", "cpu"),
+    ),
+    "mini-gpt": Workload(
+        "mini_gpt.py",
+        12,
+        MINI_GPT_GRID,
+        ("checkpoint every block",),
+        tiny_batch=4,
+        tiny_budget="2MiB",
+        args=("--batch-size", "12"),
+        tiny_args=("--tiny", "--device", "cpu", "--batch-size", "4"),
+        low_precision=(),  # the script's own bf16 autocast in every run: the numerics are the same
     ),
 }
 
