@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     runs = [bare(args)]
-    runs += memdoctor_runs(args)
+    runs += [] if args.hand_only else memdoctor_runs(args)
     spec = workload(args)
     names = args.grid or (spec.tiny_grid if args.tiny else tuple(spec.grid))
     runs += [hand(args, name) for name in names]
@@ -249,6 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per run (default 150)")
     p.add_argument("--verify", action="store_true", help="profile with --verify in (b)")
+    p.add_argument("--hand-only", action="store_true", help="skip (b): the run as is and the hand grid only")
     p.add_argument(
         "--grid", default=None, help="the workload's grid entries to run, separated by ; (default: all)"
     )
