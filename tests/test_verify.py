@@ -21,10 +21,10 @@ from memdoctor.launch.verify import (
     OOM_FLOOR,
     RECORD_NAME,
     error_factor,
-    measure,
     nothing_to_verify,
     verify,
 )
+from memdoctor.launch.verify_round import measure
 from memdoctor.plan.workload import corrected_workload
 from memdoctor.report import build_summary
 from memdoctor.report.render import render_report
@@ -171,9 +171,13 @@ def test_after_a_re_plan_that_fits_the_report_plans_as_that_round(
         record["rounds"][1]["predicted_peak_bytes"], rel=1e-4
     )
     assert "the plan verify round 2 measured" in plan["advice"][0] and "raised x" in plan["advice"][0]
-    # a last round that did not fit changes nothing: the report keeps the first plan, and says why elsewhere
+    assert plan["verified_fits"] is True and written.provenance.verified is True
+    # a last round that did not fit never leaves the first plan (which it saw run out of memory) as the
+    # plan: the report's is the re-plan with what that round taught, marked as not verified to fit
     trace.collected[RECORD_NAME] = {**record, "rounds": record["rounds"][:1]}
-    assert build_summary(trace)["plan"]["config"] == first["config"]
+    unverified = build_summary(trace)["plan"]
+    assert unverified["config"] != first["config"] and unverified["config"] == plan["config"]
+    assert unverified["verified_fits"] is False and "NOT verified to fit" in unverified["advice"][0]
 
 
 def test_rounds_are_capped(first_run: tuple[Trace, dict[str, Any]], tmp_path: Path) -> None:
