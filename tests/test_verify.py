@@ -480,3 +480,24 @@ def test_a_verified_step_time_is_its_timing_steps_when_it_has_them() -> None:
     for s in trace.steps:
         s.detail = "full"
     assert measure(trace, {"step_time_ms": 1.0})["measured_step_time_ms"] == 1.0
+
+
+def test_the_report_says_which_rounds_failed_and_when_no_plan_is_verified(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    trace, _ = first_run
+    runner = FakeRunner(
+        [(exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OK, 6 * GiB), (exitcodes.OK, 6 * GiB, 900.0)]
+    )
+    record, _ = _verify(first_run, tmp_path, runner)
+    trace.collected[RECORD_NAME] = record
+    html = render_report(trace)
+    section = html[html.index('id="verify"') :]
+    assert "The first plan did not fit: the plan is a later round" in section
+    assert "round 1 (" in section and "ran out of memory (" in section
+    assert 'id="verify-not-planned"' not in section
+    trace.collected[RECORD_NAME] = {**record, "rounds": record["rounds"][:1]}  # only the OOM round
+    html = render_report(trace)
+    section = html[html.index('id="verify"') :]
+    assert 'id="verify-not-planned"' in section and "memdoctor.yaml is not planned to fit" in section
+    assert "NOT verified to fit" in section and "memdoctor profile --config memdoctor.yaml" in section

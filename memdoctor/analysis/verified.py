@@ -277,7 +277,7 @@ def plan_note(trace: Trace, plan: dict[str, Any]) -> str | None:
     failed = "; ".join(f"round {r['round']} ({_levers(r)}): {r['reason']}" for r in rows)
     n = len(rows)
     out = f"NOT verified to fit: memdoctor profile --verify measured no config that fits in {n} round"
-    out += f"{'s' if n > 1 else ''} ({failed}). "
+    out += f"{'s' if n > 1 else ''}: {failed}. "
     searched = _learned_words(learned(trace))
     if plan.get("fits"):
         out += (
