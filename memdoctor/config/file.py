@@ -246,10 +246,7 @@ def _provenance(value: Any, src: str) -> Provenance:
         return Provenance()
     names = tuple(f.name for f in dataclasses.fields(Provenance))
     m = _mapping(value, "provenance", names, src)
-    flags = {k: m.get(k) for k in ("fits", "verified")}
-    for key, flag in flags.items():
-        if flag is not None and not isinstance(flag, bool):
-            raise ConfigError(f"{src}: provenance.{key} must be true or false")
+    fits, verified = (_opt_bool(m.get(k), f"provenance.{k}", src) for k in ("fits", "verified"))
     ratio = m.get("predicted_step_time_ratio")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
         raise ConfigError(f"{src}: provenance.predicted_step_time_ratio must be a number")
@@ -262,7 +259,8 @@ def _provenance(value: Any, src: str) -> Provenance:
         model_class=_opt_str(m.get("model_class"), "provenance.model_class", src),
         predicted_step_time_ratio=None if ratio is None else float(ratio),
         verify_note=_opt_str(m.get("verify_note"), "provenance.verify_note", src),
-        **flags,
+        fits=fits,
+        verified=verified,
         **ints,
     )
 
@@ -294,6 +292,12 @@ def _choice(value: Any, name: str, allowed: tuple[str, ...], src: str) -> str:
 
 def _opt_choice(value: Any, name: str, allowed: tuple[str, ...], src: str) -> str | None:
     return None if value is None else _choice(value, name, allowed, src)
+
+
+def _opt_bool(value: Any, name: str, src: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{src}: {name} must be true or false")
+    return value
 
 
 def _opt_str(value: Any, name: str, src: str) -> str | None:
