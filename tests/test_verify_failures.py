@@ -92,6 +92,7 @@ def test_every_round_out_of_memory_leaves_no_plan_presented_as_fitting(
     summary = build_summary(trace)
     v, plan = summary["verified"], summary["plan"]
     assert v["plan_verified"] is False and v["first_shot_fits"] is False and v["fits"] is False
+    assert v["reason"] == v["failed_rounds"][-1]["reason"]
     assert [f["round"] for f in v["failed_rounds"]] == [1, 2, 3]
     assert all(f["reason"].startswith("ran out of memory (") for f in v["failed_rounds"])
     assert "predicted" in v["failed_rounds"][0]["reason"]

@@ -121,6 +121,7 @@ def verified(trace: Trace) -> dict[str, Any] | None:
     out = {k: last[k] for k in keys}
     out["peak_error"] = peak_error(last["measured_peak_bytes"], last["predicted_peak_bytes"])
     out["round"] = last["round"]
+    out["reason"] = last["reason"]
     out["rounds"] = len(rows)
     out["plan_verified"] = best is not None
     out["first_shot_fits"] = rows[0]["fits"]
