@@ -501,3 +501,24 @@ def test_the_report_says_which_rounds_failed_and_when_no_plan_is_verified(
     section = html[html.index('id="verify"') :]
     assert 'id="verify-not-planned"' in section and "memdoctor.yaml is not planned to fit" in section
     assert "NOT verified to fit" in section and "memdoctor profile --config memdoctor.yaml" in section
+
+
+def test_verify_profile_says_when_no_round_fits(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The terminal says what memdoctor.yaml now is when every round failed; the file's header too."""
+    from memdoctor.launch.rounds import verify_profile
+
+    trace, summary = first_run
+    path = save_trace(trace, tmp_path / "trace.jsonl.gz")
+    result = ProfileResult(exitcodes.OK, "completed", "ok", trace_path=path, summary=summary)
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, 7 * GiB)] * 2)
+    verify_profile(_request(tmp_path), result, 2, runner, say)
+    err = capsys.readouterr().err
+    assert "memdoctor.yaml is NOT verified to fit" in err and "round 2 (" in err
+    text = (tmp_path / "memdoctor.yaml").read_text()
+    assert (
+        text.startswith("# NOT PLANNED TO FIT")
+        and load_config(tmp_path / "memdoctor.yaml").provenance.verified is False
+    )
+    assert json.loads((tmp_path / "summary.json").read_text())["verified"]["plan_verified"] is False
