@@ -515,7 +515,8 @@ def test_verify_profile_says_when_no_round_fits(
     runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, 7 * GiB)] * 2)
     verify_profile(_request(tmp_path), result, 2, runner, say)
     err = capsys.readouterr().err
-    assert "memdoctor.yaml is NOT verified to fit" in err and "round 2 (" in err
+    assert "verify: no round fits the budget: " in err and "memdoctor.yaml is NOT planned to fit" in err
+    assert "This config is the planner's re-plan after those rounds (memory predictions raised x" in err
     text = (tmp_path / "memdoctor.yaml").read_text()
     assert (
         text.startswith("# NOT PLANNED TO FIT")

@@ -278,21 +278,24 @@ def plan_note(trace: Trace, plan: dict[str, Any]) -> str | None:
     failed = "; ".join(f"round {r['round']} ({_levers(r)}): {r['reason']}" for r in rows)
     n = len(rows)
     out = f"NOT verified to fit: memdoctor profile --verify measured no config that fits in {n} round"
-    out += f"{'s' if n > 1 else ''}: {failed}. "
+    return out + f"{'s' if n > 1 else ''}: {failed}. {what_to_try(trace, plan)}"
+
+
+def what_to_try(trace: Trace, plan: dict[str, Any]) -> str:
+    """When no verified round fits: what ``plan`` (searched with what the rounds ``learned``) is, and
+    what to try with it."""
     searched = _learned_words(learned(trace))
     if plan.get("fits"):
-        out += (
+        return (
             f"This config is the planner's re-plan after those rounds ({searched}), which no round "
             "measured: try it with `memdoctor profile --config memdoctor.yaml --budget SIZE SCRIPT` (it "
             "profiles the script with it applied), or verify more rounds (--verify-rounds N)"
         )
-    else:
-        out += (
-            f"Re-planned {searched}, nothing the planner models fits the budget: this is the closest "
-            "config, not predicted to fit; see the plan's advice (a larger budget, a smaller batch "
-            "or sequence)"
-        )
-    return out
+    return (
+        f"Re-planned after those rounds ({searched}), nothing the planner models fits the budget: this "
+        "is the closest config, not predicted to fit; see the plan's advice (a larger budget, a smaller "
+        "batch or sequence)"
+    )
 
 
 def _levers(r: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memdoctor.analysis.verified import what_to_try
 from memdoctor.config import CONFIG_FILENAME
 from memdoctor.launch import reprofile, verify
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
@@ -63,8 +64,9 @@ def verify_profile(
     assert result.trace_path is not None  # read_trace found a trace there
     paths = record_and_render(trace, result.trace_path, verify.RECORD_NAME, record, request.out_dir)
     plan = json.loads(paths["summary"].read_text(encoding="utf-8")).get("plan") or {}
-    if plan.get("verified_fits") is False and plan.get("verify_note"):
-        say(f"verify: {paths.get('config', CONFIG_FILENAME)} is {plan['verify_note']}")
+    if plan.get("verified_fits") is False:  # each round's line said why it failed
+        where = paths.get("config", CONFIG_FILENAME)
+        say(f"verify: no round fits the budget: {where} is NOT planned to fit. {what_to_try(trace, plan)}")
     return round_files(request.out_dir, record, VERIFY_FILES)
 
 
