@@ -206,3 +206,19 @@ def test_round_reasons_name_the_figures() -> None:
     assert round_reason(over) == "over the budget: measured 9.00 GiB vs 6.00 GiB predicted"
     failed = {"outcome": "failed", "status": "exception", "message": "boom"}
     assert round_reason(failed) == "the run failed (exception: boom)"
+
+
+def test_a_record_without_learned_plans_from_what_its_rounds_say(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A verify record written before ``learned`` existed: none fits, so the plan is still not the
+    first one, and is re-made with the rounds' largest correction and without their refused levers."""
+    trace, first = first_run
+    runner = Runner(
+        [(REFUSED, NO_LOSS), (exitcodes.OUT_OF_MEMORY, 7 * GiB), (exitcodes.OUT_OF_MEMORY, 7 * GiB)]
+    )
+    record, _ = _verify(first_run, tmp_path, runner)
+    del record["learned"]
+    plan = build_summary(trace)["plan"]
+    assert plan["excluded"] == ["accumulation"] and plan["config"]["accumulation_steps"] == 1
+    assert plan["verified_fits"] is False and plan["config"] != first["plan"]["config"]

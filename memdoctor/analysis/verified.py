@@ -140,10 +140,14 @@ def failed_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def learned(trace: Trace) -> dict[str, Any]:
     """What the verify rounds taught the planner (the record's ``learned``): ``correction``, the factor
     the plan's memory predictions are raised by after the last round, and ``excluded``, the lever
-    families ``memdoctor run`` refused for this script; 1.0 and none for a record without it."""
+    families ``memdoctor run`` refused for this script; for a record without it, the largest correction
+    and the refusals its rounds record."""
     record = trace.collected.get(RECORD_NAME) or {}
     found = record.get("learned") if isinstance(record, dict) else None
-    found = found if isinstance(found, dict) else {}
+    if not isinstance(found, dict):  # a record written before it had one: what its rounds say
+        rows = rounds(trace)
+        refused = [r["refused_lever"] for r in rows if r["refused_lever"]]
+        found = {"correction": max([r["correction"] or 1.0 for r in rows], default=1.0), "excluded": refused}
     factor = _number(found.get("correction"))
     excluded = found.get("excluded")
     return {
