@@ -222,3 +222,13 @@ def test_a_record_without_learned_plans_from_what_its_rounds_say(
     plan = build_summary(trace)["plan"]
     assert plan["excluded"] == ["accumulation"] and plan["config"]["accumulation_steps"] == 1
     assert plan["verified_fits"] is False and plan["config"] != first["plan"]["config"]
+
+
+def test_the_compared_plan_never_uses_a_refused_lever(
+    first_run: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    runner = Runner([(REFUSED, NO_LOSS), (exitcodes.OK, 7 * GiB), (exitcodes.OK, 7 * GiB)])
+    record, _ = _verify(first_run, tmp_path, runner)
+    _, fitted, compared = record["rounds"]
+    assert fitted["fits"] and compared["avoided"] == "checkpoint" and compared["excluded"] == ["accumulation"]
+    assert compared["config"]["accumulation_steps"] == 1 and not compared["config"]["checkpoint"]
