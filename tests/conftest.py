@@ -68,6 +68,7 @@ FAST_FILES = frozenset(
         "test_story_workload.py",
         "test_summary.py",
         "test_transfers.py",
+        "test_verify_failures.py",
     }
 )
 

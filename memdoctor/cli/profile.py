@@ -102,7 +102,9 @@ def _add_measure_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="after the report, apply its plan (memdoctor.yaml) and profile again under the same budget "
         "(into OUT/verify); the report then shows the measured peak and step time beside the predicted "
-        "ones, and a plan that does not fit is re-planned from what was measured",
+        "ones; a plan that does not fit is re-planned from what was measured, one memdoctor run refuses "
+        "without the refused lever, and memdoctor.yaml becomes the measured config that fits (when none "
+        "did, it says so first)",
     )
     rounds = "with --verify: at most N verified runs (re-plans) when a plan does not fit (default: 3)"
     p.add_argument("--verify-rounds", type=arg_type(count(1)), default=3, metavar="N", help=rounds)

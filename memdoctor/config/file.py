@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,12 @@ class Provenance:
     fits: bool | None = None
     predicted_peak_bytes: int | None = None
     predicted_step_time_ratio: float | None = None
+    # ``memdoctor profile --verify``: true when a verified run of this config fitted the budget, false
+    # when no verified round fitted (this config is then not known to fit: the file's header says so,
+    # and ``memdoctor run`` too); null when the plan was not verified. ``verify_note`` says what was
+    # measured and, when nothing fitted, what to try.
+    verified: bool | None = None
+    verify_note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -239,9 +246,7 @@ def _provenance(value: Any, src: str) -> Provenance:
         return Provenance()
     names = tuple(f.name for f in dataclasses.fields(Provenance))
     m = _mapping(value, "provenance", names, src)
-    fits = m.get("fits")
-    if fits is not None and not isinstance(fits, bool):
-        raise ConfigError(f"{src}: provenance.fits must be true or false")
+    fits, verified = (_opt_bool(m.get(k), f"provenance.{k}", src) for k in ("fits", "verified"))
     ratio = m.get("predicted_step_time_ratio")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
         raise ConfigError(f"{src}: provenance.predicted_step_time_ratio must be a number")
@@ -252,8 +257,10 @@ def _provenance(value: Any, src: str) -> Provenance:
     return Provenance(
         trace=_opt_str(m.get("trace"), "provenance.trace", src),
         model_class=_opt_str(m.get("model_class"), "provenance.model_class", src),
-        fits=fits,
         predicted_step_time_ratio=None if ratio is None else float(ratio),
+        verify_note=_opt_str(m.get("verify_note"), "provenance.verify_note", src),
+        fits=fits,
+        verified=verified,
         **ints,
     )
 
@@ -285,6 +292,12 @@ def _choice(value: Any, name: str, allowed: tuple[str, ...], src: str) -> str:
 
 def _opt_choice(value: Any, name: str, allowed: tuple[str, ...], src: str) -> str | None:
     return None if value is None else _choice(value, name, allowed, src)
+
+
+def _opt_bool(value: Any, name: str, src: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{src}: {name} must be true or false")
+    return value
 
 
 def _opt_str(value: Any, name: str, src: str) -> str | None:
@@ -330,6 +343,22 @@ HEADER = """\
 
 
 def dump_config(config: PlanConfig) -> str:
-    """The YAML text of ``config`` (round-trips through ``parse_config``)."""
+    """The YAML text of ``config`` (round-trips through ``parse_config``), under a header that says
+    first, plainly, when ``profile --verify`` measured no config that fits (``provenance.verified``)."""
     body = yaml.safe_dump(config.as_dict(), sort_keys=False, default_flow_style=False, allow_unicode=False)
-    return HEADER + body
+    return _verify_lines(config.provenance, first=True) + HEADER + _verify_lines(config.provenance) + body
+
+
+def _verify_lines(p: Provenance, *, first: bool = False) -> str:
+    """The header's verify verdict as comment lines: a config no verified round fitted says so before
+    anything else (``first``); one a round measured says so after the header's standard lines."""
+    if p.verified is None or (p.verified is False) != first:
+        return ""
+    default = "NOT verified to fit: memdoctor profile --verify measured no config that fits"
+    note = p.verify_note or (
+        default if p.verified is False else "measured to fit by memdoctor profile --verify"
+    )
+    lines = textwrap.wrap(note, 98, break_long_words=False, break_on_hyphens=False)
+    if p.verified is False:
+        lines = ["NOT PLANNED TO FIT: read this before applying it.", *lines, ""]
+    return "".join(f"# {line}".rstrip() + "\n" for line in lines)

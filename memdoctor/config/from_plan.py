@@ -48,6 +48,8 @@ def from_plan(
             fits=plan.get("fits"),
             predicted_peak_bytes=plan.get("predicted_peak_bytes"),
             predicted_step_time_ratio=None if ratio is None else float(ratio),
+            verified=plan.get("verified_fits"),
+            verify_note=plan.get("verify_note"),
         ),
     )
 

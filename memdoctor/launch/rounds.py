@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memdoctor.analysis.verified import what_to_try
+from memdoctor.config import CONFIG_FILENAME
 from memdoctor.launch import reprofile, verify
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.trace import Trace, read_trace, save_trace
@@ -52,14 +54,19 @@ def verify_profile(
     say: Say,
 ) -> list[Path]:
     """``profile --verify``: verify the first run's plan, record the result in the first trace and
-    re-render its report; the files the rounds wrote."""
+    re-render its report; the files the rounds wrote. When no round fitted, says so, with what
+    memdoctor.yaml now holds and what to try (the note its header carries)."""
     trace = read_trace(result.trace_path)
     if trace is None or result.summary is None or result.exit_code not in verify.VERIFIABLE_EXIT_CODES:
         say(f"verify: not verified: the profiled run ended with {result.status}; fix that first")
         return []
     record = verify.verify(trace, result.summary, request, run, say, max_rounds=rounds)
     assert result.trace_path is not None  # read_trace found a trace there
-    record_and_render(trace, result.trace_path, verify.RECORD_NAME, record, request.out_dir)
+    paths = record_and_render(trace, result.trace_path, verify.RECORD_NAME, record, request.out_dir)
+    plan = json.loads(paths["summary"].read_text(encoding="utf-8")).get("plan") or {}
+    if plan.get("verified_fits") is False:  # each round's line said why it failed
+        where = paths.get("config", CONFIG_FILENAME)
+        say(f"verify: no round fits the budget: {where} is NOT planned to fit. {what_to_try(trace, plan)}")
     return round_files(request.out_dir, record, VERIFY_FILES)
 
 

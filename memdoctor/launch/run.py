@@ -39,4 +39,9 @@ def describe(config: PlanConfig, path: Path) -> str:
     """The start line: which plan, from where."""
     fits = config.provenance.fits
     note = {None: "", True: " (planned to fit)", False: " (the closest plan: not predicted to fit)"}[fits]
+    verified = config.provenance.verified
+    if verified is False:  # profile --verify saw no config fit: never "planned to fit"
+        note = " (NOT verified to fit: profile --verify measured no config that fits; see its header)"
+    elif verified:
+        note = " (measured to fit by profile --verify)"
     return f"applying {path}{note}"

@@ -18,7 +18,7 @@ compare against.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ class Plan:
     reason: str | None = None  # why no plan could be made at all
     grad_scaler: dict[str, Any] | None = None  # for an fp16 plan: settings from the measured ranges
     avoided: str | None = None  # the lever family left out of the search (``make_plan``'s ``avoid``)
+    excluded: tuple[str, ...] = ()  # families ``memdoctor run`` refused for this script (``exclude``)
 
     @property
     def fits(self) -> bool:
@@ -90,32 +91,44 @@ class Plan:
             "reason": self.reason,
             "grad_scaler": self.grad_scaler if pick.config.precision == "fp16" else None,
             "avoided": self.avoided,
+            "excluded": list(self.excluded),
         }
 
 
 def make_plan(
-    w: Workload, target: Target, priority: Sequence[str] | None = None, avoid: str | None = None
+    w: Workload,
+    target: Target,
+    priority: Sequence[str] | None = None,
+    avoid: str | None = None,
+    exclude: Collection[str] = (),
 ) -> Plan:
     """The least-slowdown config that fits ``target``; the closest one and advice when none does.
     ``priority``: the lever families in the order the workload's nine-grid cell ranks them (ties in
     predicted time go to the config whose levers rank first; ``DEFAULT_PRIORITY`` without a cell).
     ``avoid``: a lever family left out of the search (``COMPARED_FAMILIES``: ``--verify`` measures the
-    best plan without the chosen plan's costliest-to-predict lever, ``runner_up``)."""
-    plan = _search(w, target, priority, avoid)
+    best plan without the chosen plan's costliest-to-predict lever, ``runner_up``). ``exclude``: lever
+    families (``Config.families``) left out because ``memdoctor run`` refused them for this script (a
+    ``--verify`` round): unlike ``avoid``, a fact about the script, not a comparison."""
+    excluded = tuple(sorted(set(exclude)))
+    left_out = frozenset(excluded) | ({avoid} if avoid else frozenset())
+    plan = _search(w, target, priority, left_out)
     plan.avoided = avoid
+    plan.excluded = excluded
     return plan
 
 
-def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: str | None) -> Plan:
+def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: frozenset[str]) -> Plan:
     base = predict_for(w, Config(), target)
     if fits(base, target) and not known_oom(w, base.config, target):
         return Plan(target, base, base, base, True, w.peak_bytes)
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
     for tier in (tier_one(w, target), tier_two(w, target)):
-        tier = [c for c in tier if not (avoid == "accumulation" and c.accumulation_steps > 1)]
+        tier = [c for c in tier if avoid.isdisjoint(c.families())]
         found = [
-            p for p in (with_checkpoints(w, c, target, avoid != "checkpoint") for c in tier) if p is not None
+            p
+            for p in (with_checkpoints(w, c, target, "checkpoint" not in avoid) for c in tier)
+            if p is not None
         ]
         tried += found
         fitting = [p for p in found if fits(p, target) and not known_oom(w, p.config, target)]
@@ -151,7 +164,13 @@ def compared_family(config: Config) -> str | None:
     return next((f for f in COMPARED_FAMILIES if f in used), None)
 
 
-def runner_up(w: Workload, target: Target, plan: Plan, priority: Sequence[str] | None = None) -> Plan | None:
+def runner_up(
+    w: Workload,
+    target: Target,
+    plan: Plan,
+    priority: Sequence[str] | None = None,
+    exclude: Collection[str] = (),
+) -> Plan | None:
     """The best plan without the chosen plan's ``compared_family`` that ``memdoctor run`` can apply and
     that is predicted to fit the budget with half the safety margin (``COMPARED_MARGIN``); None
     when there is no such family or no such plan."""
@@ -160,17 +179,22 @@ def runner_up(w: Workload, target: Target, plan: Plan, priority: Sequence[str] |
     family = compared_family(plan.chosen.config)
     if family is None:
         return None
-    other = compared_plan(w, target, family, priority)
+    other = compared_plan(w, target, family, priority, exclude)
     same = other is not None and other.chosen is not None and other.chosen.config == plan.chosen.config
     return None if same else other
 
 
 def compared_plan(
-    w: Workload, target: Target, family: str, priority: Sequence[str] | None = None
+    w: Workload,
+    target: Target,
+    family: str,
+    priority: Sequence[str] | None = None,
+    exclude: Collection[str] = (),
 ) -> Plan | None:
-    """The best plan without lever ``family``, searched with ``COMPARED_MARGIN``, that ``memdoctor run``
-    can apply; None when none fits."""
-    other = make_plan(w, dataclasses.replace(target, margin=COMPARED_MARGIN), priority, avoid=family)
+    """The best plan without lever ``family`` (nor the ``exclude`` families), searched with
+    ``COMPARED_MARGIN``, that ``memdoctor run`` can apply; None when none fits."""
+    searched = dataclasses.replace(target, margin=COMPARED_MARGIN)
+    other = make_plan(w, searched, priority, avoid=family, exclude=exclude)
     return other if other.chosen is not None and runnable(other.chosen.config) else None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from memdoctor.analysis.verified import chosen_round, rounds
+from memdoctor.analysis.verified import chosen_round, learned, plan_note, rounds
 from memdoctor.cards import CONTEXT_RESERVE_BYTES
 from memdoctor.plan.alternatives import alternatives
 from memdoctor.plan.model import workload
@@ -56,10 +56,14 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         choice = verified_choice(trace)
         pw = corrected_workload(w, choice.correction) if choice.correction > 1.0 else w
         searched = target if choice.margin is None else replace(target, margin=choice.margin)
-        made = make_plan(pw, searched, order, avoid=choice.avoided)
+        made = make_plan(pw, searched, order, avoid=choice.avoided, exclude=choice.excluded)
         plan = {**made.as_dict(), "alternatives": alternatives(pw, searched, made)}
         if choice.round is not None:
             plan["advice"].insert(0, _verified_advice(choice))
+        plan["verified_fits"] = choice.verified
+        plan["verify_note"] = plan_note(trace, plan)
+        if choice.verified is False and plan["verify_note"]:
+            plan["advice"].insert(0, plan["verify_note"])
         reprofiled = reprofile_record(trace)
         if reprofiled is not None:
             plan["advice"].insert(0, reprofile_advice(reprofiled))
@@ -81,23 +85,32 @@ class Search(NamedTuple):
     avoided: str | None = None  # the lever family left out
     round: int | None = None
     margin: float | None = None  # the safety margin it was searched with (None: the default)
+    excluded: tuple[str, ...] = ()  # lever families memdoctor run refused for the script (--verify)
+    verified: bool | None = None  # a --verify round measured this search's config fitting; None: no rounds
 
 
 def verified_choice(trace: Trace) -> Search:
     """The search of the plan ``profile --verify`` measured into the plan, when it is not the first
-    one: a re-plan that fitted (its memory predictions raised by ``correction``), or a compared plan
-    without ``avoided`` that measured faster (``chosen_round``), searched with the safety ``margin`` it
-    records. The plan of the report and of memdoctor.yaml is then that round's: the same search, with
-    the same factor, margin and family left out. ``Search()`` when the first plan stands."""
-    best = chosen_round(rounds(trace))
+    one: a re-plan that fitted (its memory predictions raised by ``correction``, without the lever
+    families ``memdoctor run`` refused, ``excluded``), or a compared plan without ``avoided`` that
+    measured faster (``chosen_round``), searched with the safety ``margin`` it records. The plan of the
+    report and of memdoctor.yaml is then that round's: the same search. When no round fits, the search
+    with everything the rounds learned (``verified`` False: never the first plan, which a round saw
+    fail, presented as planned to fit). ``Search()`` when the run was not verified."""
+    rows = rounds(trace)
+    if not rows:
+        return Search()
+    best = chosen_round(rows)
     if best is None:
-        return Search()
+        found = learned(trace)
+        return Search(found["correction"], excluded=tuple(found["excluded"]), verified=False)
     factor = float(best["correction"] or 1.0)
-    avoided = best["avoided"]
-    if factor <= 1.0 and not avoided:
-        return Search()
+    avoided, excluded = best["avoided"], tuple(best["excluded"])
+    if factor <= 1.0 and not avoided and not excluded:
+        return Search(verified=True)
     margin = best["margin"]
-    return Search(factor, avoided, int(best["round"]), None if margin is None else float(margin))
+    at = None if margin is None else float(margin)
+    return Search(factor, avoided, int(best["round"]), at, excluded, verified=True)
 
 
 def _verified_advice(choice: Search) -> str:
@@ -107,6 +120,8 @@ def _verified_advice(choice: Search) -> str:
             f"re-planned with memory predictions raised x{choice.correction:.2f}: the first plan's verified "
             "run needed more memory than predicted"
         )
+    if choice.excluded:
+        parts.append(f"without {', '.join(choice.excluded)}: memdoctor run refused it for this script")
     if choice.avoided:
         parts.append(
             f"the best plan without {choice.avoided} measured a shorter step than the first plan that fitted"
