@@ -58,7 +58,10 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
 
-def _train(steps: int = 2, build: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], nn.Module]:
+Tensors = dict[str, torch.Tensor]
+
+
+def _train(steps: int = 2, build: Any = None) -> tuple[Tensors, Tensors, nn.Module]:
     """The unmodified loop: model, AdamW over model.parameters(), ``steps`` steps. Returns the first
     step's gradients and the parameters after the last step."""
     torch.manual_seed(0)

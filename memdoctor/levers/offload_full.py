@@ -210,7 +210,6 @@ class FullOffload:
         )
         return swap
 
-
     def shard_built(self, root: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """For ``memdoctor.apply``, where the script already built its optimizer: shard ``root`` and
         put the sharded parameters in the optimizer's groups, in place (its state is made at its first
@@ -278,7 +277,7 @@ def _kept_on_host(root: nn.Module, fail: Callable[[str], None]) -> Undo:
     def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         dtypes = [a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)]
         if any(p.dtype != d for d in dtypes for p in self.parameters()):
-            fail(f"full_offload: the script casts the sharded model to {dtypes[0]}; cast it before its optimizer")
+            fail(f"full_offload: the script casts the sharded model to {dtypes[0]}; cast it before")
         return self
 
     def cuda(self: nn.Module, device: Any = None) -> nn.Module:
