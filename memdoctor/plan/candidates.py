@@ -9,7 +9,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from memdoctor.analysis.layers import repeated_blocks
+from memdoctor.analysis.layers import children, repeated_blocks, subtree_sums
 from memdoctor.plan.workload import Candidate, ParamHolder
 from memdoctor.trace import Trace
 
@@ -123,3 +123,17 @@ def steady_forward_ms(cands: list[Candidate], notes: list[str]) -> list[Candidat
 
 def _sibling_key(c: Candidate) -> tuple[int, int, str]:
     return (c.model, c.depth, _STACK_INDEX.sub(".#", c.name))
+
+
+def shard_units(trace: Trace) -> tuple[int, ...]:
+    """Parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) shards before the
+    root, in the largest model: the members of its repeated stacks, else its top-level children holding
+    parameters; the rest of the parameters stay with the root's unit."""
+    if not trace.models:
+        return ()
+    info = max(trace.models, key=lambda m: sum(m.param_bytes))
+    sums = subtree_sums(info, info.param_bytes)
+    units = [i for group in repeated_blocks(info) for i in group]
+    if not units:
+        units = [k for k in children(info)[0] if sums[k] > 0]
+    return tuple(sums[i] for i in units)
