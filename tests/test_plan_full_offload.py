@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from memdoctor.config import config_for_summary, dump_config, from_plan, parse_config
+from memdoctor.config.export import not_expressed, plain_loop_snippet
 from memdoctor.plan.config import Config, config_from_dict
 from memdoctor.plan.memory import FULL_OFFLOAD_UNITS_HELD
 from memdoctor.plan.model import predict, workload
@@ -112,3 +113,10 @@ def test_checkpointing_under_full_offload_counts_every_held_gradient() -> None:
     p = predict(w, Config(full_offload=True, checkpoint=("block",)))
     assert p.breakdown["activations"] == 600  # 600 - 300 freed + 300 recomputed (the largest block)
     assert p.breakdown["gradients"] == 15 + FULL_OFFLOAD_UNITS_HELD * 25  # no mid-backward share
+
+
+def test_exports_say_where_full_offload_applies() -> None:
+    cfg = parse_config("memdoctor_config: 1\nfull_offload: true\n")
+    assert any(n.startswith("full_offload: no single-process argument") for n in not_expressed(cfg, "hf"))
+    assert not any(n.startswith("full_offload") for n in not_expressed(cfg, "plain"))
+    assert "FSDP2" in plain_loop_snippet(cfg)
