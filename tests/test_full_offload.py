@@ -6,6 +6,8 @@ parameters are compared with the unsharded run's here; the planner's side is in 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from memdoctor.config import parse_config
 from memdoctor.errors import ConfigError
 from memdoctor.levers.install import install
 from memdoctor.levers.offload_full import class_name, shard_units
+from tests.test_run import ACCELERATE, memdoctor_cli, run_script
 
 VOCAB, WIDTH = 11, 8
 
@@ -175,8 +178,10 @@ def test_units_are_the_blocks_and_a_tied_pair_stays_with_the_root() -> None:
     assert shard_units(model) == list(model.blocks)
     tied = Decoder(tied=True)
     assert shard_units(tied) == list(tied.blocks)
-    flat = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    assert shard_units(flat) == [flat[0], flat[2]]  # no stack of three: the top-level children
+    flat = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Linear(2, 2))
+    assert shard_units(flat) == [flat[0], flat[2], flat[3]]  # a stack of leaves: the top-level children
+    nested = nn.Sequential(nn.Sequential(flat), nn.Linear(2, 2))
+    assert shard_units(nested) == [nested[0], nested[1]]  # the Linears inside are not units
 
 
 def test_config_file_field_and_its_refusals() -> None:
@@ -188,3 +193,42 @@ def test_config_file_field_and_its_refusals() -> None:
         parse_config("memdoctor_config: 1\nfull_offload: true\noptimizer: offload\n")
     with pytest.raises(ConfigError, match="already offloads every parameter"):
         parse_config("memdoctor_config: 1\nfull_offload: true\noffload_parameters: [emb]\n")
+
+
+# ----------------------------------------------------------------------------------------- whole scripts
+
+
+def _losses(path: Path) -> list[float]:
+    return list(json.loads(path.read_text())["losses"])
+
+
+def test_an_accelerate_loop_trains_the_same_under_full_offload(tmp_path: Path) -> None:
+    """accelerate builds the optimizer before ``prepare``; memdoctor shards at that build, and
+    ``prepare`` leaves a DTensor model where it is: the losses of three steps are the unmodified run's."""
+    run_script(ACCELERATE, ["--steps", "3", "--out", str(tmp_path / "base.json")])
+    lines = run_script(
+        ACCELERATE, ["--steps", "3", "--out", str(tmp_path / "run.json")], {"full_offload": True}
+    )
+    assert any(line.startswith("full_offload: BertForSequenceClassification sharded") for line in lines)
+    base, run = _losses(tmp_path / "base.json"), _losses(tmp_path / "run.json")
+    assert len(run) == 3 and run == pytest.approx(base, rel=1e-6)
+
+
+def test_memdoctor_run_applies_full_offload_from_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "memdoctor.yaml"
+    config.write_text("memdoctor_config: 1\nfull_offload: true\n")
+    run_script(ACCELERATE, ["--steps", "2", "--out", str(tmp_path / "base.json")])
+    done = memdoctor_cli(
+        "run",
+        "--config",
+        str(config),
+        str(ACCELERATE),
+        "--",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "run.json"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "memdoctor: full_offload: BertForSequenceClassification sharded" in done.stderr
+    assert _losses(tmp_path / "run.json") == pytest.approx(_losses(tmp_path / "base.json"), rel=1e-6)

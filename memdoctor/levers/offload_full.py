@@ -60,7 +60,7 @@ def fsdp2() -> tuple[Callable[..., Any], type] | str:
 
 def shard_units(root: nn.Module) -> list[nn.Module]:
     """The modules sharded one by one before the root: each member of a stack of ``STACK_MIN`` or more
-    sibling modules of one class holding parameters (a transformer's blocks), outermost stacks only;
+    sibling blocks of one class holding parameters (a transformer's blocks), outermost stacks only;
     without a stack, each top-level child holding parameters. A module whose parameters are also held
     outside it (a tied embedding and LM head) is left to the root's unit, which holds both."""
     owners: dict[int, int] = {}
@@ -84,10 +84,18 @@ def _stacks(root: nn.Module) -> list[nn.Module]:
         for child in node.children():
             if _holds(child):
                 by_type.setdefault(type(child), []).append(child)
-        taken = {id(m) for group in by_type.values() if len(group) >= STACK_MIN for m in group}
+        stacks = [g for g in by_type.values() if len(g) >= STACK_MIN and _is_block(g[0])]
+        taken = {id(m) for group in stacks for m in group}
         found += [c for c in node.children() if id(c) in taken]
         todo += [c for c in node.children() if id(c) not in taken]
     return found
+
+
+def _is_block(module: nn.Module) -> bool:
+    """A module with children: a stack of leaf layers (an MLP's Linears) is not sharded layer by layer
+    (FSDP2 units that small cost a copy each, and an in-place op on a unit's output, a ``ReLU(inplace)``
+    after a ``Linear``, would skip FSDP2's backward hook)."""
+    return any(True for _ in module.children())
 
 
 def _tied(unit: nn.Module, owners: dict[int, int]) -> bool:

@@ -127,13 +127,15 @@ def _sibling_key(c: Candidate) -> tuple[int, int, str]:
 
 def shard_units(trace: Trace) -> tuple[int, ...]:
     """Parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) shards before the
-    root, in the largest model: the members of its repeated stacks, else its top-level children holding
-    parameters; the rest of the parameters stay with the root's unit."""
+    root, in the largest model: the members of its repeated stacks of blocks (modules with children),
+    else its top-level children holding parameters; the rest of the parameters stay with the root's
+    unit."""
     if not trace.models:
         return ()
     info = max(trace.models, key=lambda m: sum(m.param_bytes))
     sums = subtree_sums(info, info.param_bytes)
-    units = [i for group in repeated_blocks(info) for i in group]
+    kids = children(info)
+    units = [i for group in repeated_blocks(info) if kids[group[0]] for i in group]  # blocks, not leaves
     if not units:
-        units = [k for k in children(info)[0] if sums[k] > 0]
+        units = [k for k in kids[0] if sums[k] > 0]
     return tuple(sums[i] for i in units)
