@@ -151,10 +151,15 @@ def _grouped(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
 
 
-def _train_grouped() -> dict[str, torch.Tensor]:
+def _named(model: nn.Module) -> torch.optim.Optimizer:
+    """torch >= 2.6 optimizers take ``named_parameters()``: (name, parameter) pairs."""
+    return torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+
+
+def _train_grouped(build: Any = _grouped) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Decoder()
-    opt = _grouped(model)
+    opt = build(model)
     ids = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(1))
     for _ in range(2):
         _loss(model, ids).backward()
@@ -163,13 +168,15 @@ def _train_grouped() -> dict[str, torch.Tensor]:
     return {n: _full(p) for n, p in model.named_parameters()}
 
 
-def test_param_groups_keep_their_settings() -> None:
-    expected = _train_grouped()
+@pytest.mark.parametrize("build", [_grouped, _named], ids=["param-groups", "named-parameters"])
+def test_param_groups_and_named_parameters_keep_their_settings(build: Any) -> None:
+    expected = _train_grouped(build)
     inst = install({"memdoctor_config": 1, "full_offload": True})
     try:
-        got = _train_grouped()
+        got = _train_grouped(build)
     finally:
         inst.remove()
+    assert any(line.startswith("full_offload:") for line in inst.lines)
     _same(expected, got)
 
 
@@ -202,13 +209,14 @@ def _losses(path: Path) -> list[float]:
     return list(json.loads(path.read_text())["losses"])
 
 
-def test_an_accelerate_loop_trains_the_same_under_full_offload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("more", [{}, {"accumulation_steps": 2}], ids=["alone", "micro-batched"])
+def test_an_accelerate_loop_trains_the_same_under_full_offload(tmp_path: Path, more: dict[str, Any]) -> None:
     """accelerate builds the optimizer before ``prepare``; memdoctor shards at that build, and
-    ``prepare`` leaves a DTensor model where it is: the losses of three steps are the unmodified run's."""
+    ``prepare`` leaves a DTensor model where it is: the losses of three steps are the unmodified run's,
+    also with micro-batching inside the sharded model's forward."""
     run_script(ACCELERATE, ["--steps", "3", "--out", str(tmp_path / "base.json")])
-    lines = run_script(
-        ACCELERATE, ["--steps", "3", "--out", str(tmp_path / "run.json")], {"full_offload": True}
-    )
+    config = {"full_offload": True, **more}
+    lines = run_script(ACCELERATE, ["--steps", "3", "--out", str(tmp_path / "run.json")], config)
     assert any(line.startswith("full_offload: BertForSequenceClassification sharded") for line in lines)
     base, run = _losses(tmp_path / "base.json"), _losses(tmp_path / "run.json")
     assert len(run) == 3 and run == pytest.approx(base, rel=1e-6)

@@ -182,7 +182,9 @@ class FullOffload:
     def _before_optimizer(self, params: Any) -> Any:
         """The optimizer's ``params`` argument with the model's parameters replaced by its sharded ones
         (a generator is read once here and passed on as a list)."""
-        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        if isinstance(params, torch.Tensor):
+            return params  # not an iterable: the optimizer's own check refuses it
+        params = list(params)
         ids = {id(p) for p in _tensors(params)}
         root = next((r for r in find_trained_roots(ids) if self.accept(r)), None)
         if root is None:
@@ -234,19 +236,28 @@ class FullOffload:
 
 
 def _tensors(params: list[Any]) -> Iterable[torch.Tensor]:
+    """The tensors of an optimizer's ``params``: tensors, ``(name, tensor)`` pairs (torch >= 2.6 takes
+    ``named_parameters()``) and param groups of either (a group's ``params`` may be one tensor)."""
     for x in params:
         if isinstance(x, dict):
-            yield from list(x.get("params") or [])
+            group = x.get("params")
+            yield from _tensors([group] if isinstance(group, torch.Tensor) else list(group or []))
+        elif isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor):
+            yield x[1]
         elif isinstance(x, torch.Tensor):
             yield x
 
 
 def _swapped(x: Any, swap: dict[int, nn.Parameter]) -> Any:
-    """One element of the optimizer's ``params``: a tensor or a param group, with sharded parameters."""
+    """One element of the optimizer's ``params`` (as ``_tensors`` reads it), with sharded parameters."""
     if isinstance(x, dict):
         group = dict(x)
-        group["params"] = [swap.get(id(p), p) for p in list(group.get("params") or [])]
+        found = group.get("params")
+        found = [found] if isinstance(found, torch.Tensor) else list(found or [])
+        group["params"] = [_swapped(p, swap) for p in found]
         return group
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor):
+        return (x[0], swap.get(id(x[1]), x[1]))
     return swap.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
 
