@@ -11,6 +11,7 @@ import pytest
 
 from memdoctor.config import config_for_summary, dump_config, from_plan, parse_config
 from memdoctor.config.export import not_expressed, plain_loop_snippet
+from memdoctor.plan.candidates import shard_units
 from memdoctor.plan.config import Config, config_from_dict
 from memdoctor.plan.memory import FULL_OFFLOAD_UNITS_HELD
 from memdoctor.plan.model import predict, workload
@@ -120,3 +121,12 @@ def test_exports_say_where_full_offload_applies() -> None:
     assert any(n.startswith("full_offload: no single-process argument") for n in not_expressed(cfg, "hf"))
     assert not any(n.startswith("full_offload") for n in not_expressed(cfg, "plain"))
     assert "FSDP2" in plain_loop_snippet(cfg)
+
+
+def test_not_planned_for_a_torch_without_fsdp2() -> None:
+    trace = load_trace(LLAMA_OOM)
+    assert len(shard_units(trace)) == 16
+    trace.header["host"] = {**trace.header["host"], "torch": "2.3.1+cu121"}
+    notes: list[str] = []
+    assert shard_units(trace, notes) == ()
+    assert notes and "has no FSDP2" in notes[0]

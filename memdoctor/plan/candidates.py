@@ -125,11 +125,21 @@ def _sibling_key(c: Candidate) -> tuple[int, int, str]:
     return (c.model, c.depth, _STACK_INDEX.sub(".#", c.name))
 
 
-def shard_units(trace: Trace) -> tuple[int, ...]:
+# FSDP2 (fully_shard with CPUOffloadPolicy), which full offload applies, came with torch 2.4.
+FSDP2_TORCH = (2, 4)
+
+
+def shard_units(trace: Trace, notes: list[str] | None = None) -> tuple[int, ...]:
     """Parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) shards before the
     root, in the largest model: the members of its repeated stacks of blocks (modules with children),
     else its top-level children holding parameters; the rest of the parameters stay with the root's
-    unit."""
+    unit. Empty (full offload not planned, said in ``notes``) when the profiled torch has no FSDP2."""
+    version = str((trace.header.get("host") or {}).get("torch") or "")
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and (int(found[1]), int(found[2])) < FSDP2_TORCH:
+        if notes is not None:
+            notes.append(f"full offload not planned: torch {version} has no FSDP2 (torch >= 2.4)")
+        return ()
     if not trace.models:
         return ()
     info = max(trace.models, key=lambda m: sum(m.param_bytes))

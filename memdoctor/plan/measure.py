@@ -78,7 +78,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
-        shard_units=shard_units(trace),
+        shard_units=shard_units(trace, notes),
     )
 
 
