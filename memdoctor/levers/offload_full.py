@@ -216,7 +216,8 @@ class FullOffload:
         self.applied(
             f"full_offload: {class_name(root)} sharded with FSDP2 fully_shard + CPUOffloadPolicy on one "
             f"process ({len(units)} units and the root; parameters, gradients and optimizer state on the "
-            f"host, {_gib(after.values())} GiB), the optimizer built over the sharded parameters"
+            f"host, {_gib(dict(root.named_parameters()).values())} GiB), the optimizer built over the "
+            "sharded parameters"
         )
         return swap
 
