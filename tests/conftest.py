@@ -57,6 +57,7 @@ FAST_FILES = frozenset(
         "test_optimizers.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",
+        "test_plan_full_offload.py",
         "test_plan_levers.py",
         "test_plan_rules.py",
         "test_progress.py",

@@ -20,7 +20,7 @@ KEYS = [
     "memdoctor_config", "checkpoint", "precision", "grad_scaler", "micro_batch", "accumulation_steps",
     "optimizer", "padding", "attention", "allocator", "data_loader", "provenance", "init_scale",
     "growth_interval", "num_workers", "pin_memory", "trace", "fits", "unknown", "pad_to_multiple_of",
-    "offload_parameters",
+    "offload_parameters", "full_offload",
 ]  # fmt: skip
 scalar = st.one_of(
     st.none(),

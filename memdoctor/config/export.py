@@ -84,6 +84,12 @@ def not_expressed(config: PlanConfig, tool: str) -> list[str]:
             "offload_parameters: no argument for it (accelerate's device_map / cpu_offload are for "
             "inference); DeepSpeed ZeRO-3 offload_param, or memdoctor run / memdoctor.apply"
         )
+    if config.full_offload and tool != "plain":
+        out.append(
+            "full_offload: no single-process argument for it; memdoctor run / memdoctor.apply (FSDP2 "
+            "fully_shard with CPUOffloadPolicy), or DeepSpeed ZeRO-3 with offload_param and "
+            "offload_optimizer on cpu"
+        )
     if config.attention is not None:
         out.append(f"attention: pass attn_implementation={config.attention!r} to from_pretrained")
     if config.allocator is not None:
@@ -101,6 +107,8 @@ def _offload_comment(config: PlanConfig) -> list[str]:
         parts.append(f"the parameters of {len(config.offload_parameters)} module(s)")
     if config.optimizer == "offload":
         parts.append("the optimizer's state (its step runs on the CPU)")
+    if config.full_offload:
+        parts.append("every parameter and gradient and the optimizer state (FSDP2, before its first step)")
     return [f"# offload: {' and '.join(parts)} kept in CPU memory"] if parts else []
 
 

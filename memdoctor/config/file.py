@@ -84,6 +84,7 @@ class PlanConfig:
     offload_parameters: tuple[str, ...] = ()  # modules whose parameters live on the CPU
     attention: str | None = None
     allocator: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
+    full_offload: bool = False  # parameters, gradients, optimizer state on the CPU (FSDP2 CPUOffloadPolicy)
     data_loader: DataLoaderSettings = field(default_factory=DataLoaderSettings)
     provenance: Provenance = field(default_factory=Provenance)
 
@@ -160,6 +161,7 @@ _TOP = (
     "offload_parameters",
     "attention",
     "allocator",
+    "full_offload",
     "data_loader",
     "provenance",
 )
@@ -186,6 +188,7 @@ def config_from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
         scaler = GradScalerSettings()
     micro = doc.get("micro_batch")
     multiple = doc.get("pad_to_multiple_of")
+    full = _full_offload(doc, src)
     return PlanConfig(
         checkpoint=tuple(checkpoint),
         precision=precision,
@@ -198,9 +201,24 @@ def config_from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
         offload_parameters=_names(doc.get("offload_parameters"), "offload_parameters", src),
         attention=_opt_choice(doc.get("attention"), "attention", ATTENTION, src),
         allocator=_opt_str(doc.get("allocator"), "allocator", src),
+        full_offload=full,
         data_loader=_data_loader(doc.get("data_loader"), src),
         provenance=_provenance(doc.get("provenance"), src),
     )
+
+
+def _full_offload(doc: dict[Any, Any], src: str) -> bool:
+    """``full_offload``: true or false; it already holds the optimizer state and every parameter on the
+    CPU, so it is refused beside ``optimizer: offload`` or ``offload_parameters`` (two engines would
+    move the same tensors)."""
+    value = doc.get("full_offload", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{src}: full_offload must be true or false, not {_short(value)}")
+    if value and doc.get("optimizer", "as-is") != "as-is":
+        raise ConfigError(f"{src}: full_offload already offloads the optimizer state: remove optimizer")
+    if value and doc.get("offload_parameters"):
+        raise ConfigError(f"{src}: full_offload already offloads every parameter: remove offload_parameters")
+    return value
 
 
 def _names(value: Any, name: str, src: str) -> tuple[str, ...]:

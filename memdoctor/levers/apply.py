@@ -16,7 +16,9 @@ What is applied: activation checkpointing of exactly the chosen modules (their `
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, reversible with ``remove()``), autocast in
 the chosen dtype with a ``torch.amp.GradScaler`` for fp16, accumulation through ``micro_batches``, and
 offload of the chosen modules' parameters and of the optimizer's state to the host
-(``memdoctor.levers.offload``; the optimizer must be passed for the latter).
+(``memdoctor.levers.offload``; the optimizer must be passed for the latter), and full offload (FSDP2
+with CPU offload, ``memdoctor.levers.offload_full``: pass the optimizer before its first step, or build
+it after ``apply`` from ``model.parameters()``; ``remove()`` cannot unshard the model).
 What it cannot apply faithfully (an optimizer swap, padding trimming, an attention
 implementation, data-loader settings on a loader that already exists, an allocator setting after CUDA
 started) raises ``ConfigError`` naming the part: a plan part is never silently dropped.
@@ -145,6 +147,7 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
     _allocator(config)
     applied = Applied(config, model, optimizer, loader)
     try:
+        _full_offload(applied)
         _offload(applied)
     except ValueError as exc:
         applied.remove()
@@ -166,6 +169,20 @@ def _offload(applied: Applied) -> None:
     config, optimizer = applied.config, applied.optimizer
     optimizers = [optimizer] if config.optimizer == "offload" and optimizer is not None else []
     install_offload(applied.model, config.offload_parameters, optimizers, applied._undo)
+
+
+def _full_offload(applied: Applied) -> None:
+    """``full_offload``: the model sharded by FSDP2 with CPU offload (``memdoctor.levers.offload_full``),
+    the optimizer, if given, made to hold the sharded parameters. FSDP2 cannot be undone: ``remove()``
+    leaves the model sharded, and its one-process group lives until the interpreter exits."""
+    if not applied.config.full_offload:
+        return
+    from memdoctor.levers.offload_full import FullOffload
+
+    def fail(message: str) -> None:
+        raise ValueError(message)
+
+    FullOffload(lambda root: True, lambda line: None, fail).shard_built(applied.model, applied.optimizer)
 
 
 def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:

@@ -31,6 +31,7 @@ from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
 from memdoctor.levers.microbatch import MicroBatching
 from memdoctor.levers.offload import install_offload
+from memdoctor.levers.offload_full import FullOffload, class_name, model_for, not_sharded
 from memdoctor.levers.padding import PaddingTrim
 from memdoctor.levers.targets import ModelWatch, optimizers_of
 from memdoctor.patching import Undo, wrap_forward
@@ -63,6 +64,7 @@ class Installation:
     _loader: LoaderSettings | None = None
     _padding: PaddingTrim | None = None
     _first: nn.Module | None = None  # a root passed over for another model class
+    _full: FullOffload | None = None
 
     def applied(self, line: str) -> None:
         self.lines.append(line)
@@ -95,14 +97,14 @@ class Installation:
 
     def _needs_model(self) -> bool:
         c = self.config
-        offload = bool(c.offload_parameters) or c.optimizer == "offload"
+        offload = bool(c.offload_parameters) or c.optimizer == "offload" or c.full_offload
         return bool(c.checkpoint) or c.precision != "fp32" or c.accumulation_steps > 1 or offload
 
     # ------------------------------------------------------------------ when the model is found
 
     def accept(self, root: nn.Module) -> bool:
         """Is ``root`` the model the config was made for? A stale config stops the run here."""
-        cls = type(root).__name__
+        cls = class_name(root)
         names = {name for name, _ in root.named_modules()}
         if all(n in names for n in (*self.config.checkpoint, *self.config.offload_parameters)):
             return True
@@ -126,11 +128,13 @@ class Installation:
 
     def on_model(self, root: nn.Module) -> None:
         self.model = root
-        cls = type(root).__name__
+        cls = class_name(root)
         other = self.config.provenance.model_class
         if other and other != cls:
             self.say(f"note: the config was made for {other}; this script's model is {cls}")
         self._refuse(root)
+        if self._full is not None and self._full.model is not root:
+            self.fail(not_sharded(root))
         self._offload(root)  # before the GradScaler's step wrapper: that one must be outermost
         c = self.config
         if c.checkpoint and self.ours("checkpoint"):
@@ -169,6 +173,15 @@ class Installation:
             except Exception as exc:
                 self.fail(f"attention: {c.attention}: cannot set it on this model: {exc}")
             self.applied(f"attention implementation {c.attention} (set_attn_implementation)")
+
+    def _start_full_offload(self) -> None:
+        """Before the model watch: FSDP2 shards the model before its optimizer takes the parameters
+        (``memdoctor.levers.offload_full``), so its ``Optimizer.__init__`` wrapper runs inside the watch's."""
+        self._full = FullOffload(model_for(self.config.checkpoint), self.applied, self.fail)
+        try:
+            self._undo.append(self._full.install())
+        except ValueError as exc:
+            self.fail(str(exc))
 
     def _offload(self, root: nn.Module) -> None:
         """Parameter offload first (the optimizer's state does not exist yet: it is being built), then
@@ -336,6 +349,8 @@ def _install_now(inst: Installation) -> None:
             inst._undo.append(undo)
             inst.applied("padding: trim: each DataLoader batch cut to its longest attention-masked sequence")
     inst._undo.append(inst.backward.install())
+    if c.full_offload:
+        inst._start_full_offload()
     watch = ModelWatch(inst.accept, inst.on_model, inst.missing)
     inst._undo.append(watch.start())
 

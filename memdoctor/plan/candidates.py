@@ -9,7 +9,7 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from memdoctor.analysis.layers import repeated_blocks
+from memdoctor.analysis.layers import children, repeated_blocks, subtree_sums
 from memdoctor.plan.workload import Candidate, ParamHolder
 from memdoctor.trace import Trace
 
@@ -123,3 +123,29 @@ def steady_forward_ms(cands: list[Candidate], notes: list[str]) -> list[Candidat
 
 def _sibling_key(c: Candidate) -> tuple[int, int, str]:
     return (c.model, c.depth, _STACK_INDEX.sub(".#", c.name))
+
+
+# FSDP2 (fully_shard with CPUOffloadPolicy), which full offload applies, came with torch 2.4.
+FSDP2_TORCH = (2, 4)
+
+
+def shard_units(trace: Trace, notes: list[str] | None = None) -> tuple[int, ...]:
+    """Parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) shards before the
+    root, in the largest model: the members of its repeated stacks of blocks (modules with children),
+    else its top-level children holding parameters; the rest of the parameters stay with the root's
+    unit. Empty (full offload not planned, said in ``notes``) when the profiled torch has no FSDP2."""
+    version = str((trace.header.get("host") or {}).get("torch") or "")
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and (int(found[1]), int(found[2])) < FSDP2_TORCH:
+        if notes is not None:
+            notes.append(f"full offload not planned: torch {version} has no FSDP2 (torch >= 2.4)")
+        return ()
+    if not trace.models:
+        return ()
+    info = max(trace.models, key=lambda m: sum(m.param_bytes))
+    sums = subtree_sums(info, info.param_bytes)
+    kids = children(info)
+    units = [i for group in repeated_blocks(info) if kids[group[0]] for i in group]  # blocks, not leaves
+    if not units:
+        units = [k for k in kids[0] if sums[k] > 0]
+    return tuple(sums[i] for i in units)

@@ -37,6 +37,9 @@ class Config:
     offload_parameters: tuple[str, ...] = ()  # modules whose parameters (and gradients) live on the CPU
     attention: str | None = None  # None (as profiled) or "sdpa" (memory-efficient attention, not eager)
     allocator: str | None = None  # None (as profiled) or EXPANDABLE_SEGMENTS
+    # Parameters, gradients and optimizer state all on the CPU (FSDP2 fully_shard + CPUOffloadPolicy):
+    # excludes ``optimizer: offload`` and ``offload_parameters``, which it contains.
+    full_offload: bool = False
 
     def levers(self) -> list[str]:
         out = [f"checkpoint {len(self.checkpoint)} modules"] if self.checkpoint else []
@@ -64,6 +67,8 @@ class Config:
             out.append("memory-efficient attention (SDPA) instead of eager")
         if self.allocator == EXPANDABLE_SEGMENTS:
             out.append("allocator expandable_segments")
+        if self.full_offload:
+            out.append("parameters, gradients and optimizer state offloaded to the CPU (FSDP2)")
         return out
 
     def families(self) -> list[str]:
@@ -73,7 +78,7 @@ class Config:
             "accumulation": self.accumulation_steps > 1,
             "precision": self.precision != "fp32",
             "8bit": self.optimizer == "8bit",
-            "offload": self.optimizer == "offload" or bool(self.offload_parameters),
+            "offload": self.optimizer == "offload" or bool(self.offload_parameters) or self.full_offload,
             "padding": self.padding != "as-is",
             "attention": self.attention is not None,
             "allocator": self.allocator is not None,
@@ -98,6 +103,7 @@ class Config:
             "offload_parameters": list(self.offload_parameters),
             "attention": self.attention,
             "allocator": self.allocator,
+            "full_offload": self.full_offload,
         }
 
 
@@ -126,6 +132,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
         offload_parameters=tuple(values.get("offload_parameters") or ()),
         attention=values.get("attention"),
         allocator=values.get("allocator"),
+        full_offload=bool(values.get("full_offload") or False),
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from memdoctor.analysis.layers import layer_table, repeated_blocks
 from memdoctor.analysis.steps import peak_step
-from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders
+from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
 from memdoctor.plan.padding import padding_facts
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
@@ -78,6 +78,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
+        shard_units=shard_units(trace, notes),
     )
 
 

@@ -72,7 +72,8 @@ def memory_parts(
             "the largest block's activations come back while it is recomputed in backward"
         )
     params, grads = offloaded_state(w, config, assumptions)
-    if chosen and config.accumulation_steps == 1 and config.optimizer != "offload":
+    alone = config.accumulation_steps == 1 and config.optimizer != "offload" and not config.full_offload
+    if chosen and alone:  # checkpointing alone: the backward peak holds a share of the gradients
         grads = checkpointed_gradients(grads, config)
         assumptions.append(
             f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
@@ -125,6 +126,8 @@ def _temporaries_left(w: Workload, config: Config, assumptions: list[str]) -> in
 
 def offloaded_state(w: Workload, config: Config, assumptions: list[str]) -> tuple[int, int]:
     """Parameters and gradients left on the GPU when the chosen modules' parameters live on the CPU."""
+    if config.full_offload:
+        return full_offload_state(w, assumptions)
     held = [h for h in w.param_holders if h.name in set(config.offload_parameters)]
     if not held:
         return w.parameters, w.gradients
@@ -139,11 +142,36 @@ def offloaded_state(w: Workload, config: Config, assumptions: list[str]) -> tupl
     return max(0, params), max(0, w.gradients - sum(h.grad_bytes for h in held))
 
 
+# Full offload (FSDP2 fully_shard + CPUOffloadPolicy): how many units' unsharded parameters, and
+# gradients, the device holds at once besides the root's: the one computing and the next, prefetched in
+# forward and backward (parameters); the one whose gradients are made and its reduce-scatter output
+# before the copy to the host (gradients). An assumption to calibrate on the GPU.
+FULL_OFFLOAD_UNITS_HELD = 2
+
+
+def full_offload_state(w: Workload, assumptions: list[str]) -> tuple[int, int]:
+    """Parameters and gradients on the device under full offload: the root's own unit (FSDP2 keeps the
+    root gathered from its forward to the end of its backward, and its gradients until then) and
+    ``FULL_OFFLOAD_UNITS_HELD`` of the largest shard unit; everything else is on the host."""
+    units = w.shard_units
+    largest = max(units, default=0)
+    root = max(0, w.parameters - sum(units))
+    held = root + FULL_OFFLOAD_UNITS_HELD * largest
+    assumptions.append(
+        f"full offload (FSDP2, CPU offload): the device holds the root's own parameters and gradients "
+        f"({root} bytes) and {FULL_OFFLOAD_UNITS_HELD} of the largest of {len(units)} shard units "
+        f"({largest} bytes each: the one running and the next, prefetched); optimizer state and the rest "
+        "on the host; one model sharded (an assumption to calibrate)"
+    )
+    grads = round(held * w.gradients / w.parameters) if w.parameters else held
+    return min(held, w.parameters), min(grads, w.gradients)
+
+
 def optimizer_bytes(w: Workload, config: Config, assumptions: list[str]) -> int:
     if config.optimizer == "8bit":
         assumptions.append("8-bit optimizer: state / 4 (two 8-bit moments instead of two fp32 ones)")
         return int(w.optimizer_state * EIGHT_BIT_STATE_FACTOR)
-    if config.optimizer == "offload":
+    if config.optimizer == "offload" or config.full_offload:
         assumptions.append("optimizer state offloaded: none of it on the GPU (the step runs on the CPU)")
         return 0
     return w.optimizer_state
@@ -171,7 +199,7 @@ def checkpointed_gradients(grads: int, config: Config) -> int:
     them with the optimizer offloaded: without the optimizer step's own peak the backward's last blocks
     set it, when nearly every gradient exists (the 0.95B decoder's offload plan on the H200 peaked in
     block 1's backward holding 3.12 of its 3.06-3.5 GiB of gradients; BENCHMARKS.md, "Offload")."""
-    if config.accumulation_steps == 1 and config.optimizer != "offload":
+    if config.accumulation_steps == 1 and config.optimizer != "offload" and not config.full_offload:
         return int(grads * CHECKPOINT_GRADIENT_SHARE)
     return grads
 

@@ -201,9 +201,10 @@ def compared_plan(
 def _preferred(fitting: list[Prediction]) -> list[Prediction]:
     """The fitting configs the choice is made among: a plan ``memdoctor run`` can apply beats a faster one
     it cannot (it would be advice only), and one that keeps the optimizer on the GPU beats one that
-    offloads it, because the time model does not count the CPU optimizer step (only the copies)."""
+    offloads it, because the time model does not count the CPU optimizer step (only the copies; full
+    offload's host step is counted, but as an assumption)."""
     runs = [p for p in fitting if runnable(p.config)]
-    on_gpu = [p for p in runs if p.config.optimizer == "as-is"]
+    on_gpu = [p for p in runs if p.config.optimizer == "as-is" and not p.config.full_offload]
     return on_gpu or runs or fitting
 
 
@@ -252,7 +253,7 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
     if state >= target.limit_bytes:
         out.append(
             f"parameters, gradients and optimizer state alone take {format_bytes(state)}: a bigger card, "
-            "parameter offload or sharding (not modelled yet) is needed"
+            "or full offload (full_offload: FSDP2 with CPU offload) with smaller activations, is needed"
         )
     bigger = [c for c in CARDS if c.usable_bytes * (1 - target.margin) >= closest.reserved_bytes]
     if bigger:

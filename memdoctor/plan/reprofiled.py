@@ -110,6 +110,7 @@ def from_record(d: dict[str, Any]) -> Workload:
     pad = d.get("padding")
     values["padding"] = None if pad is None else Padding(**{**pad, "longest": tuple(pad["longest"])})
     values["param_holders"] = [ParamHolder(**h) for h in d.get("param_holders") or []]
+    values["shard_units"] = tuple(int(b) for b in d.get("shard_units") or ())
     window = d.get("scale_window_log2")
     values["scale_window_log2"] = tuple(window) if window else None
     values["notes"] = [str(n) for n in d.get("notes") or []]

@@ -50,7 +50,7 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
         for p in precisions
         for o in ("as-is", "offload")
         for extra in _free_levers(w)
-    ]
+    ] + full_offload_configs(w, target, precisions)
 
 
 def tier_two(w: Workload, target: Target) -> list[Config]:
@@ -64,6 +64,23 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
         if p == "fp16" or o == "8bit"
+    ] + full_offload_configs(w, target, [p for p in precisions if p == "fp16"])
+
+
+def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> list[Config]:
+    """Parameters, gradients and optimizer state all on the host (FSDP2 with CPU offload), with every
+    micro-batch split, the given precisions and the free levers (parameter offload aside: it is part of
+    it): only where the model's state alone (parameters + gradients + optimizer state) exceeds the
+    budget, the case it exists for, and where the trace's module table says what the units hold."""
+    state = w.parameters + w.gradients + w.optimizer_state
+    if not w.shard_units or state <= target.limit_bytes:
+        return []
+    return [
+        Config(accumulation_steps=a, precision=p, full_offload=True, **extra)
+        for a in accumulations(w)
+        for p in precisions
+        for extra in _free_levers(w)
+        if not extra["offload_parameters"]
     ]
 
 

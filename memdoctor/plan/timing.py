@@ -22,6 +22,11 @@ AMP_TIME_FACTOR = {"high": 0.6, "medium": 0.8, "low": 0.95, None: 0.8}
 # casts) runs in this share of its fp32 time. Both assumptions to calibrate.
 AMP_TENSOR_EFFICIENCY = 0.5
 AMP_OTHER_TIME_FACTOR = 0.9
+# Time: the host's optimizer step under full offload, in bytes of parameters + gradients + optimizer
+# state stepped per second by torch's foreach AdamW on the CPU. Measured 1.3e9 on 2 shared cores of the
+# development machine (a 20M-parameter AdamW step: 239 ms); a GPU host's 16 cores are assumed ~6x that.
+# An assumption, labelled in every prediction; benchmarks/full_offload_llama.py measures it.
+CPU_OPTIMIZER_BYTES_PER_S = 8e9
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,38 @@ def time_model(
             + ("" if out["offload"] is not None else "; no host-link bandwidth known, so its cost is unknown")
         )
     _more_time(w, config, target, assumptions, basis, out)
+    if config.full_offload:
+        _full_offload_ms(w, config, target, assumptions, basis, out)
     return out
+
+
+def _full_offload_ms(
+    w: Workload,
+    config: Config,
+    target: Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+    out: dict[str, float | None],
+) -> None:
+    """Full offload's two costs: the host link (per micro-batch, each shard unit's parameters come in
+    for forward and again for backward, the root's once, and every gradient goes out) and the optimizer
+    step on the host (``CPU_OPTIMIZER_BYTES_PER_S``)."""
+    units = sum(w.shard_units)
+    root = max(0, w.parameters - units)
+    moved = (2 * units + root + w.gradients) * config.accumulation_steps
+    out["full_offload_transfers"] = _transfer_ms(w, moved, target, basis, "full_offload_transfers")
+    assumptions.append(
+        "full offload copies each shard unit's parameters to the device twice per micro-batch (forward "
+        "and backward), the root's once, and every gradient back, not overlapped with compute (an upper "
+        "bound: FSDP2 prefetches the next unit while one runs)"
+    )
+    stepped = w.parameters + w.gradients + w.optimizer_state
+    out["cpu_optimizer"] = 1e3 * stepped / CPU_OPTIMIZER_BYTES_PER_S
+    basis["cpu_optimizer"] = (
+        f"assumption: the optimizer steps {stepped / 1e9:.2f} GB of parameters, gradients and state on "
+        f"the host at {CPU_OPTIMIZER_BYTES_PER_S / 1e9:.0f} GB/s (the device's own step is not subtracted)"
+    )
+    assumptions.append(basis["cpu_optimizer"])
 
 
 def _more_time(

@@ -82,6 +82,9 @@ class Workload:
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
     # measured beyond the prediction); 1.0 as profiled.
     memory_correction: float = 1.0
+    # Parameter bytes of each unit full offload shards (FSDP2 ``fully_shard``: a repeated stack's blocks,
+    # else the top-level children); the rest of the parameters is the root's unit. Empty: not measured.
+    shard_units: tuple[int, ...] = ()
 
 
 def corrected_workload(w: Workload, factor: float) -> Workload:
