@@ -56,6 +56,12 @@ def memory_parts(
     scale = 1.0 / config.accumulation_steps
     if config.accumulation_steps > 1:
         assumptions.append("activations and temporaries scale linearly with the micro-batch size")
+    if w.outside_bytes:
+        assumptions.append(
+            f"the {w.outside_bytes} bytes held outside every child module (the root's own forward code, "
+            "the loop's loss) are activations and temporaries: they shrink with the micro-batch, while "
+            "checkpointing a module and offloading parameters free none of them"
+        )
     seq = padding_scale(w, config, assumptions)
     amp = activation_scale(w, config) / scale / seq
     if config.precision != "fp32":

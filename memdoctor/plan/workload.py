@@ -82,6 +82,10 @@ class Workload:
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
     # measured beyond the prediction); 1.0 as profiled.
     memory_correction: float = 1.0
+    # Bytes at the peak step held by code outside every child module (the root's own forward code, the
+    # loop's loss; ``analysis.layers.outside_holders``): part of ``activations`` and ``temporaries``, so
+    # they scale with the micro-batch; no checkpoint candidate and no parameter offload frees them.
+    outside_bytes: int = 0
 
 
 def corrected_workload(w: Workload, factor: float) -> Workload:
