@@ -25,7 +25,7 @@ def caller_site() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_DIR) and not path.startswith(_OWN_DIR) and not path.startswith("<frozen"):
+        if not path.startswith((_TORCH_DIR, _OWN_DIR, "<frozen")):
             return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back  # type: ignore[assignment]
     return UNKNOWN

@@ -145,7 +145,7 @@ def _outside_row(holder: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": f"{holder.get('name')} at {holder.get('site')}",
         "type": "",
-        "activation_bytes": int(holder.get("activation_bytes") or 0) + int(holder.get("temporary_bytes") or 0),
+        "activation_bytes": sum(int(holder.get(k) or 0) for k in ("activation_bytes", "temporary_bytes")),
         "param_bytes": 0,
     }
 

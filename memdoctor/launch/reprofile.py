@@ -5,8 +5,9 @@ the same script, arguments, budget and warm-up, one profiled step, with only gra
 applied (``PlanConfig(micro_batch=B/k, accumulation_steps=k)``, through ``memdoctor run``'s own
 micro-batching), for k = 2, 4, 8, ... until a run's ledger has every module (for a run that died
 after every module had run: until a step completes). Each run writes into its own folder inside
-the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the
-FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
+the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first run's files. The
+result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the FIRST trace;
+its ``workload`` is what the plan (and ``--verify``) then plan from.
 
 The profile runner is a parameter, so the loop is testable without a child process.
 """
@@ -50,7 +51,9 @@ def why(trace: Trace) -> str | None:
     if missing:
         return f"the run died before its forward finished; never measured: {first_names(missing, SHOWN)}"
     where = died_in(trace)
-    return f"the run died in {where}, in a step it never finished: its peak was not measured" if where else None
+    if where is None:
+        return None
+    return f"the run died in {where}, in a step it never finished: its peak was not measured"
 
 
 def reprofile(

@@ -113,11 +113,13 @@ MEMORY = {
     ),
     "outside_modules": _opt(
         _list_of(
-            lambda r: isinstance(r, dict)
-            and r.get("holder") in ("root", "loop")
-            and _opt(_int)(r.get("model"))
-            and _str(r.get("site"))
-            and _int(r.get("bytes"))
+            lambda r: (
+                isinstance(r, dict)
+                and r.get("holder") in ("root", "loop")
+                and _opt(_int)(r.get("model"))
+                and _str(r.get("site"))
+                and _int(r.get("bytes"))
+            )
         )
     ),
 }
