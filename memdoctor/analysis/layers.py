@@ -246,7 +246,7 @@ LOOP_HOLDER = "training loop (outside the model)"
 
 def outside_holders(trace: Trace, step: StepRecord | None) -> list[dict[str, Any]]:
     """What code outside every child module holds in ``step``, one row per holder and line, largest
-    first: a model's own forward code (``holder`` ``root``, named ``<model> (own code)``: a GPT's fp32
+    first: a model's own forward code (``holder`` ``root``, named ``<class> (own code)``: a GPT's fp32
     logits and its loss) and the loop's (``loop``: a loss computed from the model's output). No module's
     row holds these bytes (a root's own code only in its ``activation_self_bytes``), so a table of
     layers alone never shows them. ``activation_bytes``: saved for backward there (the tensor
@@ -258,7 +258,8 @@ def outside_holders(trace: Trace, step: StepRecord | None) -> list[dict[str, Any
     rows = []
     for r in step.memory.get("outside_modules") or []:
         root = r.get("holder") == "root"
-        label = module_label(trace, r.get("model"), 0) if root else None
+        info = model_by_index(trace, r.get("model")) if root else None
+        label = model_prefix(trace, info) + info.cls if info is not None else None
         site = str(r.get("site"))
         rows.append(
             {

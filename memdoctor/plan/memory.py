@@ -56,12 +56,6 @@ def memory_parts(
     scale = 1.0 / config.accumulation_steps
     if config.accumulation_steps > 1:
         assumptions.append("activations and temporaries scale linearly with the micro-batch size")
-    if w.outside_bytes:
-        assumptions.append(
-            f"the {w.outside_bytes} bytes held outside every child module (the root's own forward code, "
-            "the loop's loss) are activations and temporaries: they shrink with the micro-batch, while "
-            "checkpointing a module and offloading parameters free none of them"
-        )
     seq = padding_scale(w, config, assumptions)
     amp = activation_scale(w, config) / scale / seq
     if config.precision != "fp32":
@@ -89,6 +83,9 @@ def memory_parts(
         "gradients": grads,
         "optimizer_state": optimizer_bytes(w, config, assumptions),
         "activations": int(max(0.0, acts - freed) + recompute),
+        # What code outside every child module holds (``w.outside_bytes``: a root's own logits upcast and
+        # loss, the loop's loss) is in the activations and temporaries: it shrinks with the micro-batch
+        # alone; no checkpoint candidate holds it and offload does not move it.
         "temporaries": int(_temporaries_left(w, config, assumptions) * scale * seq),
         "fixed": w.fixed,
         "autocast_weight_cache": int(w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR)
