@@ -55,6 +55,7 @@ FAST_FILES = frozenset(
         "test_nvtx.py",
         "test_offload.py",
         "test_optimizers.py",
+        "test_outside_modules.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",
         "test_plan_full_offload.py",

@@ -465,8 +465,8 @@ def test_report_renders_a_recorded_trace(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["report", str(trace)]) == exitcodes.OK
     assert (tmp_path / "report.html").stat().st_size > 0
     out = capsys.readouterr().out
-    assert "biggest layers" in out and "bert.encoder.layer.0" in out
-    table = out.split("biggest layers", 1)[1]
+    assert "biggest memory holders" in out and "bert.encoder.layer.0" in out
+    table = out.split("biggest memory holders", 1)[1]
     assert "BertModel" not in table and "BertForSequenceClassification" not in table
     assert f"Wrote {tmp_path / 'report.html'}" in out and f"Wrote {tmp_path / 'summary.json'}" in out
 

@@ -83,19 +83,69 @@ def test_a_run_that_died_in_its_forward_names_what_it_never_measured() -> None:
     # the tied LM head holds no bytes of its own in the ledger, and is still named: it holds a weight
     assert missing[-2:] == ["transformer.ln_f", "lm_head"]
     assert "transformer.h.11.mlp.c_fc" in missing and "transformer.h.10.attn.c_attn" not in missing
-    assert needed(trace, _oom(trace)) == missing
+    reason = needed(trace, _oom(trace))
+    assert reason is not None and "never measured: transformer.h.11.ln_1," in reason
 
 
 def test_runs_that_need_no_reprofile(gpt2_b8: tuple[Trace, dict[str, Any]]) -> None:
     assert unmeasured_modules(gpt2_b8[0]) == []  # it completed
     trace, _ = _first()
     ok = ProfileResult(exitcodes.OK, "completed", "ok")
-    assert needed(trace, ok) == []  # only an out-of-memory run
+    assert needed(trace, ok) is None  # only an out-of-memory run
     trace.header["applied_config"] = {"accumulation_steps": 2}
-    assert needed(trace, _oom(trace)) == []  # profile --config: not the script as it is
+    assert needed(trace, _oom(trace)) is None  # profile --config: not the script as it is
+    assert needed(gpt2_b8[0], _oom(gpt2_b8[0])) is None  # out of memory with every step finished
     trace, _ = _first()
     trace.steps[-1].phases_ms["backward"] = 12.0  # it reached its backward: every module that runs ran
     assert unmeasured_modules(trace) == []
+
+
+def _died_after_every_module(phase: str, module: int | None) -> Trace:
+    """GPT-2 b8 cut short in its last step after every module had run: out of memory in ``phase``
+    (in ``module``'s own code, or in none: the loop's)."""
+    trace = load_trace(GPT2_B8)
+    trace.steps[-1].complete = False
+    trace.end = {"status": "oom", "message": "CUDA out of memory", "exit_code": 1}
+    event = {"kind": "oom", "message": "CUDA out of memory", "step": trace.steps[-1].step, "phase": phase}
+    trace.events.append({**event, "model": 0 if module is not None else None, "module": module})
+    return trace
+
+
+@pytest.mark.parametrize(
+    ("phase", "module", "said"),
+    [
+        ("forward", 0, "its forward, in (GPT2LMHeadModel)"),  # the root's own code: its logits upcast
+        ("forward", None, "the run died in its forward,"),  # the loop's loss, outside the model
+        ("backward", None, "its backward"),
+        ("optimizer", None, "its optimizer step"),
+    ],
+)
+def test_a_run_that_died_after_every_module_ran_is_reprofiled_too(
+    phase: str, module: int | None, said: str
+) -> None:
+    """Every module ran, so none is unmeasured; the step's peak never was: re-profile."""
+    trace = _died_after_every_module(phase, module)
+    assert unmeasured_modules(trace) == []
+    reason = needed(trace, _oom(trace))
+    assert reason is not None and said in reason and "never finished" in reason
+
+
+def test_a_reprofile_after_every_module_ran_halves_until_a_step_completes(
+    gpt2_b8: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A round that measured every module but ran out of memory again is not planned from (its peak
+    is unmeasured too), nor does "got no further" stop the halving: no module was missing to begin with."""
+    trace = _died_after_every_module("forward", 0)
+    summary = build_summary(trace)
+    again = _died_after_every_module("forward", 0)
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, again), (exitcodes.OK, gpt2_b8[0])])
+    lines: list[str] = []
+    record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
+    assert [r["measured_every_module"] for r in record["rounds"]] == [False, True]
+    assert record["used_round"] == 2 and record["accumulation_steps"] == 4 and record["stopped"] is None
+    assert "never finished" in lines[0]
+    trace.collected[RECORD_NAME] = record
+    assert "after every module had run" in build_summary(trace)["plan"]["advice"][0]
 
 
 # ----------------------------------------------------------------------------------------- the loop

@@ -35,6 +35,22 @@ def fault_info(trace: Trace) -> dict[str, Any] | None:
     }
 
 
+_PHASE_WORDS = {"forward": "its forward", "backward": "its backward", "optimizer": "its optimizer step"}
+
+
+def died_in(trace: Trace) -> str | None:
+    """Where the run died, for a run cut short in a step it never finished (``its forward, in GPT``,
+    ``its backward``, ``its optimizer step``); None when no step was left unfinished. Wherever that
+    was, the step's peak was never measured: a child module's forward, the root's own code (a logits
+    upcast), a loss computed in the loop, backward, the optimizer step."""
+    if _dying_step(trace) is None:
+        return None
+    info = fault_info(trace) or {}
+    where = _PHASE_WORDS.get(str(info.get("phase")), "a step")
+    module = info.get("module_name")
+    return f"{where}, in {module}" if module else where
+
+
 def _is_fault(end: dict[str, Any], event: dict[str, Any] | None, dying: StepRecord | None) -> bool:
     status = end.get("status")
     if status is None:

@@ -239,3 +239,49 @@ def repeated_blocks(info: ModelInfo) -> list[list[int]]:
             groups.append(group)
             covered.update(group)
     return groups
+
+
+LOOP_HOLDER = "training loop (outside the model)"
+
+
+def outside_holders(trace: Trace, step: StepRecord | None) -> list[dict[str, Any]]:
+    """What code outside every child module holds in ``step``, one row per holder and line, largest
+    first: a model's own forward code (``holder`` ``root``, named ``<class> (own code)``: a GPT's fp32
+    logits and its loss) and the loop's (``loop``: a loss computed from the model's output). No module's
+    row holds these bytes (a root's own code only in its ``activation_self_bytes``), so a table of
+    layers alone never shows them. ``activation_bytes``: saved for backward there (the tensor
+    accounting, on any device); ``temporary_bytes``: the peak ledger's temporaries allocated at the same
+    line (CUDA's allocator history only, else 0)."""
+    if step is None:
+        return []
+    temps = _temporaries_by_line(step)
+    rows = []
+    for r in step.memory.get("outside_modules") or []:
+        root = r.get("holder") == "root"
+        info = model_by_index(trace, r.get("model")) if root else None
+        label = model_prefix(trace, info) + info.cls if info is not None else None
+        site = str(r.get("site"))
+        rows.append(
+            {
+                "holder": "root" if root else "loop",
+                "name": f"{label} (own code)" if label else LOOP_HOLDER,
+                "model": r.get("model") if root else None,
+                "site": site,
+                "activation_bytes": int(r.get("bytes") or 0),
+                "temporary_bytes": temps.get(site, 0),
+            }
+        )
+    return sorted(rows, key=lambda r: -(r["activation_bytes"] + r["temporary_bytes"]))
+
+
+def _temporaries_by_line(step: StepRecord) -> dict[str, int]:
+    """The step's peak-ledger temporaries by the line outside PyTorch that led to them (the part of a
+    ``temporaries_by_site`` entry after ``<-``, or the whole site where the allocating line is the
+    script's own): the form ``outside_modules`` names its sites in."""
+    led = step.memory.get("peak_ledger") or {}
+    out: dict[str, int] = {}
+    for pair in led.get("temporaries_by_site") or []:
+        if isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[1], (int, float)):
+            line = str(pair[0]).rsplit(" <- ", 1)[-1]
+            out[line] = out.get(line, 0) + int(pair[1])
+    return out

@@ -14,7 +14,7 @@ from typing import Any
 from memdoctor.analysis import data, devicefacts, flops, histograms, transfers, verified
 from memdoctor.analysis.faults import event_row, fault_info, live_at_fault
 from memdoctor.analysis.gradnorms import grad_flags, grad_norm_series
-from memdoctor.analysis.layers import ACCOUNTED, module_label, summary_layers
+from memdoctor.analysis.layers import ACCOUNTED, module_label, outside_holders, summary_layers
 from memdoctor.analysis.numbers import median
 from memdoctor.analysis.steps import categories_at_peak, median_phases, peak_step, step_peak_bytes, step_rows
 from memdoctor.trace import CATEGORIES, StepRecord, Trace
@@ -43,6 +43,7 @@ def summary_figures(trace: Trace) -> dict[str, Any]:
         "phases_ms": median_phases(trace.detailed_steps()),
         **peak_figures(trace, step),
         "layers": summary_layers(trace, step),
+        "outside_modules": outside_holders(trace, step),
         "steps": step_rows(trace),
         "events": [event_row(trace, e) for e in trace.events],
         "fault": fault_info(trace),

@@ -16,12 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from memdoctor.capture.codesite import caller_site
 from memdoctor.capture.discovery import DiscoveredModel, storage_key, storage_nbytes
 from memdoctor.capture.sessionhooks import Frame, Freed
 from memdoctor.capture.stepbuild import Sample, StepData
 from memdoctor.device import Device
 
 Loc = tuple[int, int]  # (model, module index)
+# Samples a step takes at tensors saved outside every module (the loop's loss), at most: enough for the
+# accounting to see what the loss holds as backward starts, bounded for loops with much code of their own.
+MAX_OUTSIDE_SAMPLES = 64
 
 
 class Ledger:
@@ -242,7 +246,23 @@ class Ledger:
             for frame in stack:
                 if ptr in frame.input_ptrs:
                     frame.input_saved += nbytes
+        if len(stack) <= 1:
+            self.saved_outside(nbytes)
         return t
+
+    def saved_outside(self, nbytes: int) -> None:
+        """A tensor saved by code that no child module runs: the root module's own forward code (one
+        frame on the stack) or the training loop's (none: a loss computed from the model's output). By
+        the line that saved it, as no module's figures hold it; outside every module, a sample too, so
+        that the accounting sees what the loss holds when backward starts."""
+        stack, data = self.stack, self.data
+        if stack and not stack[0].active:
+            return  # a forward without gradients, or one recomputed in backward: not this step's own
+        key = (stack[0].key if stack else None, caller_site())
+        data.outside_micro[key] = data.outside_micro.get(key, 0) + nbytes
+        if not stack and data.outside_samples < MAX_OUTSIDE_SAMPLES:
+            data.outside_samples += 1
+            self.sample("outside", None, 0)
 
     def on_freed(self, ptr: int, nbytes: int) -> None:
         entry = self.saved.get(ptr)

@@ -61,6 +61,12 @@ class StepData:
     grad_norms: gradnorms.GradNorms | None = None
     grad_order: dict[int, int] = field(default_factory=dict)  # parameter id -> backward accumulation rank
     grad_norm_field: dict[str, Any] | None = None  # the step record's grad_norm, set by build_step
+    # (id of the top-level module running or None, code site) -> bytes saved for backward outside every
+    # child module: the root's own forward code, or the loop's (``Ledger.saved_outside``); of the
+    # micro-batch in progress and, folded by max, of the step.
+    outside_micro: dict[tuple[int | None, str], int] = field(default_factory=dict)
+    outside: dict[tuple[int | None, str], int] = field(default_factory=dict)
+    outside_samples: int = 0
     # A torch.amp.GradScaler's device copy of the step's loss scale, and whether it skipped the step.
     loss_scale: Any = None
     scaler_stepped: bool = False
@@ -76,6 +82,9 @@ class StepData:
             elif self.ckpt_free.get(key, 0) is not None:
                 self.ckpt_free[key] = max(self.ckpt_free.get(key) or 0, ckpt)
         self.micro = {}
+        for site, n in self.outside_micro.items():
+            self.outside[site] = max(self.outside.get(site, 0), n)
+        self.outside_micro = {}
 
     def last_opt_post_index(self) -> int:
         for i in range(len(self.samples) - 1, -1, -1):
@@ -84,7 +93,14 @@ class StepData:
         return len(self.samples) - 1
 
 
-_EVENT_PHASE = {"fwd_post": "forward", "bwd_pre": "backward", "bwd_post": "backward", "opt_post": "optimizer"}
+# "outside": a tensor saved outside every module (the loop's loss): the forward pass, as the user sees it.
+_EVENT_PHASE = {
+    "fwd_post": "forward",
+    "outside": "forward",
+    "bwd_pre": "backward",
+    "bwd_post": "backward",
+    "opt_post": "optimizer",
+}
 
 
 def interval_phases(samples: list[Sample]) -> list[str]:
@@ -123,6 +139,8 @@ def build_step(
     memory = _peak(samples, t_ms, phases, index, device)
     if data.history:
         memory["peak_ledger"] = _history_ledger(data, samples, param_ptrs)
+    if detailed:
+        memory["outside_modules"] = outside_holders(data.outside, index)
     record = StepRecord(
         step=data.step,
         warmup=warmup,
@@ -145,6 +163,24 @@ def build_step(
     if complete and release:
         device.release_markers(markers[:-1])
     return record
+
+
+def outside_holders(
+    outside: dict[tuple[int | None, str], int], index: dict[int, tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """The step's ``memory.outside_modules``: bytes saved for backward by code outside every child
+    module, by holder and line, largest first. ``holder`` is ``root`` (a model's own forward code, the
+    root module on the stack) or ``loop`` (no module of any model running: the script's loss, or a
+    parameterless module such as ``nn.CrossEntropyLoss`` called from the loop)."""
+    held: dict[tuple[str, int | None, str], int] = {}
+    for (key, site), n in outside.items():
+        loc = index.get(key) if key is not None else None
+        if loc is not None and loc[1] != 0:
+            continue  # a model's child called from the loop: its own figures hold what it saved
+        at = ("root", loc[0], site) if loc is not None else ("loop", None, site)
+        held[at] = held.get(at, 0) + n
+    rows = [{"holder": h, "model": m, "site": site, "bytes": n} for (h, m, site), n in held.items()]
+    return sorted(rows, key=lambda r: (-r["bytes"], r["holder"], r["site"]))
 
 
 def _add_grad_norms(data: StepData, modules: dict[int, dict[str, list[Any]]]) -> None:

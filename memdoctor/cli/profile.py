@@ -113,10 +113,11 @@ def _add_measure_options(p: argparse.ArgumentParser) -> None:
         type=arg_type(count(0)),
         default=3,
         metavar="N",
-        help="when the run runs out of memory before its forward finishes (the modules after it unmeasured), "
+        help="when the run runs out of memory in a step it never finished (in its forward, the modules "
+        "after it unmeasured; in the model's own code, the loop's loss, backward or the optimizer step), "
         "profile it again at micro-batches of 1/2, 1/4, ... of the batch (gradient accumulation, into "
-        "OUT/reprofile), at most N runs, and plan from the first that measures every module, scaled back "
-        "to the full batch (default: 3; 0: never)",
+        "OUT/reprofile), at most N runs, and plan from the first that measures every module (or finishes "
+        "its step), scaled back to the full batch (default: 3; 0: never)",
     )
     p.add_argument(
         "--config",

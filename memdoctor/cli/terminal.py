@@ -96,30 +96,57 @@ def _peak_text(summary: dict[str, Any]) -> str:
 
 
 def biggest_layers(summary: dict[str, Any], trace: Any, n: int) -> list[dict[str, Any]]:
-    """The ``n`` layers holding the most activation bytes (submodules included).
+    """The ``n`` holders of the most activation bytes, at any depth: layers (submodules included), a
+    module's own code, and code outside every child module (a model's own forward code, the loop's
+    loss: ``summary["outside_modules"]``), by the line that allocated it.
 
-    With the trace, the candidates are the layers the report's bar chart shows (the model opened down
-    to its repeated blocks: ``encoder.layer.0`` ... rather than ``bert`` or single ``Linear`` layers);
-    without it, every module of the summary except the roots.
+    With the trace, the layers are the report's bar chart's (the model opened down to its repeated
+    blocks: ``encoder.layer.0`` ... rather than ``bert`` or single ``Linear`` layers), with the "(own)"
+    bars of the modules passed on the way down; without it, every module of the summary except the roots.
+    A root's own code is shown by line where the trace has those lines, else as one "(own code)" row.
     """
     rows = {row.get("name"): row for row in summary.get("layers") or []}
+    outside = [_outside_row(h) for h in summary.get("outside_modules") or []]
+    by_line = {h.get("model") for h in summary.get("outside_modules") or [] if h.get("holder") == "root"}
     candidates = [row for row in rows.values() if row.get("depth", 1) and row.get("name")]
     if trace is not None and trace.models:
         from memdoctor.analysis import peak_step, top_layers  # loads the analysis on first use
 
         bars = top_layers(trace, peak_step(trace), limit=len(rows) + 1)
-        candidates = [_bar_row(bar, rows.get(bar["name"], {})) for bar in bars if not bar.get("own")]
-    candidates = [row for row in candidates if (row.get("activation_bytes") or 0) > 0]
+        candidates = [_bar_row(bar, rows, by_line) for bar in bars]
+    candidates = [row for row in candidates + outside if row and (row.get("activation_bytes") or 0) > 0]
     return sorted(candidates, key=lambda row: -(row.get("activation_bytes") or 0))[:n]
 
 
-def _bar_row(bar: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+def _bar_row(bar: dict[str, Any], rows: dict[Any, dict[str, Any]], by_line: set[Any]) -> dict[str, Any]:
+    """A bar of the chart as a table row; a root's "(own)" bar is its own code: named so, and left out
+    where the outside-module rows show it line by line (empty)."""
+    name = bar["name"]
+    own = bar.get("own") and name.endswith(" (own)")
+    row = rows.get(name[: -len(" (own)")] if own else name, {})
+    if own:
+        if row.get("depth") == 0:
+            if row.get("model") in by_line:
+                return {}
+            name = name[: -len(" (own)")] + " (own code)"
+        row = {k: v for k, v in row.items() if k not in ("forward_ms", "backward_ms")}  # a subtree's
     return {
         **row,
-        "name": bar["name"],
+        "name": name,
         "type": bar.get("type"),
         "activation_bytes": bar.get("activations"),
         "param_bytes": bar.get("parameters"),
+    }
+
+
+def _outside_row(holder: dict[str, Any]) -> dict[str, Any]:
+    """A holder outside every child module as a table row: its name and line; its saved activations and
+    the peak ledger's temporaries from that line together."""
+    return {
+        "name": f"{holder.get('name')} at {holder.get('site')}",
+        "type": "",
+        "activation_bytes": sum(int(holder.get(k) or 0) for k in ("activation_bytes", "temporary_bytes")),
+        "param_bytes": 0,
     }
 
 
@@ -129,13 +156,13 @@ def _layers_table(layers: list[dict[str, Any]], table_cls: Any) -> Any:
 
     longest = max(len(str(layer.get("name"))) for layer in layers)
     table = table_cls(
-        title="biggest layers by activation memory",
+        title="biggest memory holders by activation memory (layers, own code, the loop)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
     # Names wrap, never get cut: they are what the user acts on; the type column gives way first.
-    table.add_column("layer", overflow="fold", min_width=min(longest, 40))
+    table.add_column("holder", overflow="fold", min_width=min(longest, 40))
     table.add_column("type", overflow="ellipsis", max_width=14)
     for col in ("activations", "parameters", "fwd / bwd ms"):
         table.add_column(col, justify="right")

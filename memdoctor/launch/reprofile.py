@@ -1,12 +1,13 @@
-"""Re-profile at a smaller micro-batch when the run died before its first forward finished.
+"""Re-profile at a smaller micro-batch when the run ran out of memory in a step it never finished.
 
 Why and what the planner does with it: ``memdoctor.plan.reprofiled``. This module runs the profiles:
 the same script, arguments, budget and warm-up, one profiled step, with only gradient accumulation
 applied (``PlanConfig(micro_batch=B/k, accumulation_steps=k)``, through ``memdoctor run``'s own
-micro-batching), for k = 2, 4, 8, ... until a run's ledger has every module. Each run writes into its
-own folder inside the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first
-run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the
-FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
+micro-batching), for k = 2, 4, 8, ... until a run's ledger has every module (for a run that died
+after every module had run: until a step completes). Each run writes into its own folder inside
+the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first run's files. The
+result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the FIRST trace;
+its ``workload`` is what the plan (and ``--verify``) then plan from.
 
 The profile runner is a parameter, so the loop is testable without a child process.
 """
@@ -17,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from memdoctor import exitcodes
+from memdoctor.analysis.faults import died_in
 from memdoctor.config import PlanConfig
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.outputs import round_folder
@@ -26,19 +28,32 @@ from memdoctor.plan.summarize import summary_target
 from memdoctor.trace import Trace, read_trace
 from memdoctor.units import first_names
 
-__all__ = ["RECORD_NAME", "needed", "reprofile"]
+__all__ = ["RECORD_NAME", "needed", "reprofile", "why"]
 
 SHOWN = 3  # unmeasured modules named on the terminal
 
 
-def needed(trace: Trace | None, result: ProfileResult) -> list[str]:
-    """The modules a re-profile would measure: those with parameters the first run never reached
-    because it ran out of memory in its forward; empty when there is no reason to re-profile."""
+def needed(trace: Trace | None, result: ProfileResult) -> str | None:
+    """Why a re-profile is needed, or None. A run that ran out of memory in a step it never finished,
+    wherever it died: in a child module's forward (the modules after it unmeasured), or after every
+    module ran (the root's own code, such as a logits upcast, a loss computed in the loop, backward, the
+    optimizer step): its peak was never measured either way."""
     if trace is None or result.exit_code != exitcodes.OUT_OF_MEMORY:
-        return []
+        return None
     if trace.header.get("applied_config") is not None:  # profile --config: the script is not as it is
-        return []
-    return unmeasured_modules(trace)
+        return None
+    return why(trace)
+
+
+def why(trace: Trace) -> str | None:
+    """What the run's last step left unmeasured, in a line; None when every step finished."""
+    missing = unmeasured_modules(trace)
+    if missing:
+        return f"the run died before its forward finished; never measured: {first_names(missing, SHOWN)}"
+    where = died_in(trace)
+    if where is None:
+        return None
+    return f"the run died in {where}, in a step it never finished: its peak was not measured"
 
 
 def reprofile(
@@ -64,15 +79,15 @@ def reprofile(
         "workload": None,
         "stopped": None,
     }
-    shown = first_names(missing, SHOWN)
-    say(f"reprofile: the run died before its forward finished; never measured: {shown}")
+    say(f"reprofile: {why(trace) or 'the run ran out of memory'}")
     before = len(missing)
     for n in range(1, max_rounds + 1):
         k = 2**n
         if batch is not None and k > batch:
             record["stopped"] = f"a micro-batch of 1 (of {batch}) still did not measure every module"
             break
-        r, w = _one(n, k, batch, request, run, say, target.budget_bytes if target else None)
+        # A run that died after every module ran is planned from a round whose step completed.
+        r, w = _one(n, k, batch, request, run, say, target.budget_bytes if target else None, not before)
         record["rounds"].append(r)
         if w is not None:
             record.update(used_round=n, accumulation_steps=k, workload=as_record(w))
@@ -82,7 +97,7 @@ def reprofile(
             record["stopped"] = f"the re-profiled run failed ({r['status']}: {r['message']})"
             break
         left = r["unmeasured_modules"]
-        if left is None or left >= before:
+        if left is None or (before and left >= before):
             record["stopped"] = (
                 f"at micro-batch 1/{k} the run got no further in its forward ({left} unmeasured "
                 f"module{'' if left == 1 else 's'}, {before} before): what runs out of memory does not "
@@ -97,10 +112,17 @@ def reprofile(
 
 
 def _one(
-    n: int, k: int, batch: int | None, request: ProfileRequest, run: Runner, say: Say, oom_budget: int | None
+    n: int,
+    k: int,
+    batch: int | None,
+    request: ProfileRequest,
+    run: Runner,
+    say: Say,
+    oom_budget: int | None,
+    finish: bool,
 ) -> tuple[dict[str, Any], Any]:
     """Round ``n`` at micro-batch 1/``k``: its record, and its full-batch workload when it measured
-    every module (else None)."""
+    every module, and with ``finish`` its step completed too (else None)."""
     micro = batch // k if batch and batch % k == 0 else None
     size = f"{micro} of {batch}" if micro else f"1/{k} of the batch"
     say(f"reprofile {n}: profiling at micro-batch {size} (gradient accumulation {k}) ...")
@@ -111,6 +133,8 @@ def _one(
     missing = unmeasured_modules(trace) if trace is not None else None
     w = None
     measured = result.exit_code in (exitcodes.OK, exitcodes.OUT_OF_MEMORY)  # not a script failure
+    if finish:
+        measured = result.exit_code == exitcodes.OK
     if measured and trace is not None and result.summary is not None and missing == []:
         w = reprofile_workload(trace, result.summary, k, batch, oom_budget)
     r = {

@@ -9,7 +9,7 @@ import re
 import statistics
 from typing import Any
 
-from memdoctor.analysis.layers import layer_table, repeated_blocks
+from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blocks
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
 from memdoctor.plan.padding import padding_facts
@@ -30,7 +30,9 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     peak = summary.get("peak_memory_bytes")
     if not peak or cats.get("activations") is None or cats.get("parameters") is None:
         return None
-    rows = layer_table(trace, peak_step(trace))
+    step = peak_step(trace)
+    rows = layer_table(trace, step)
+    outside = outside_holders(trace, step)
     notes: list[str] = []
     params = sum(r["param_bytes"] for r in rows)
     grads, opt = _state(rows, params, notes)
@@ -56,7 +58,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         activations=int(cats["activations"]) + missing,
         temporaries=temporaries,
         fixed=rest - temporaries,
-        amp_share=_amp_share(rows),
+        amp_share=_amp_share(rows, outside),
         matmul_param_bytes=sum(r["param_bytes"] for r in rows if AMP_HALVING_TYPES.search(r["type"] or "")),
         step_ms=_step_ms(summary),
         fwd_bwd_ms=_fwd_bwd_ms(summary)
@@ -79,6 +81,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
         shard_units=shard_units(trace, notes),
+        outside_bytes=_outside_bytes(outside, notes),
     )
 
 
@@ -140,8 +143,25 @@ def _reserved_ratio(trace: Trace, summary: dict[str, Any]) -> float:
     return 1.0
 
 
-def _amp_share(rows: list[dict[str, Any]]) -> float:
+def _outside_bytes(outside: list[dict[str, Any]], notes: list[str]) -> int:
+    """What code outside every child module holds (saved and temporary), and a note naming its
+    largest line: the plan keeps it under every lever but the micro-batch (and padding)."""
+    total = sum(r["activation_bytes"] + r["temporary_bytes"] for r in outside)
+    if total:
+        top = outside[0]
+        notes.append(
+            f"{total} bytes are held outside every child module, the most by {top['name']} at "
+            f"{top['site']}: they scale with the micro-batch; checkpointing and offload free none of them"
+        )
+    return total
+
+
+def _amp_share(rows: list[dict[str, Any]], outside: list[dict[str, Any]] | None = None) -> float:
+    """The share of the saved activations that matmul-type modules saved. The loop's own (a loss
+    outside the model) count in the whole and are never halved: a loss autocasts to fp32 (a root's
+    own code is in its row already)."""
     total = sum(r["activation_self_bytes"] or 0 for r in rows)
+    total += sum(r["activation_bytes"] for r in outside or [] if r["holder"] == "loop")
     halved = sum(r["activation_self_bytes"] or 0 for r in rows if AMP_HALVING_TYPES.search(r["type"] or ""))
     return halved / total if total else 0.0
 

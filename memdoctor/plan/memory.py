@@ -84,6 +84,9 @@ def memory_parts(
         "gradients": grads,
         "optimizer_state": optimizer_bytes(w, config, assumptions),
         "activations": int(max(0.0, acts - freed) + recompute),
+        # What code outside every child module holds (``w.outside_bytes``: a root's own logits upcast and
+        # loss, the loop's loss) is in the activations and temporaries: it shrinks with the micro-batch
+        # alone; no checkpoint candidate holds it and offload does not move it.
         "temporaries": int(_temporaries_left(w, config, assumptions) * scale * seq),
         "fixed": w.fixed,
         "autocast_weight_cache": int(w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR)

@@ -156,7 +156,9 @@ def advice(found: dict[str, Any]) -> str:
     """The plan's first line about the re-profile (``found``: ``summary_record``'s)."""
     names = found["unmeasured_modules"]
     shown = first_names(names, 3)
-    died = f"the script as it is ran out of memory before its forward reached {shown or 'every module'}"
+    died = f"the script as it is ran out of memory before its forward reached {shown}"
+    if not names:  # every module ran: it died in the root's own code, the loop's loss, backward, optimizer
+        died = "the script as it is ran out of memory after every module had run, in a step it never finished"
     if not found["planned_from_reprofile"]:
         return f"{died}; no re-profile measured them ({found['stopped']}): every prediction is a lower bound"
     k = found["accumulation_steps"]

@@ -85,6 +85,10 @@ class Workload:
     # Parameter bytes of each unit full offload shards (FSDP2 ``fully_shard``: a repeated stack's blocks,
     # else the top-level children); the rest of the parameters is the root's unit. Empty: not measured.
     shard_units: tuple[int, ...] = ()
+    # Bytes at the peak step held by code outside every child module (the root's own forward code, the
+    # loop's loss; ``analysis.layers.outside_holders``): part of ``activations`` and ``temporaries``, so
+    # they scale with the micro-batch; no checkpoint candidate and no parameter offload frees them.
+    outside_bytes: int = 0
 
 
 def corrected_workload(w: Workload, factor: float) -> Workload:

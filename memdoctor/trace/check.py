@@ -111,6 +111,17 @@ MEMORY = {
             and all(_opt(_int)(v.get(k)) for k in ("peak_allocated", "baseline", "entries"))
         )
     ),
+    "outside_modules": _opt(
+        _list_of(
+            lambda r: (
+                isinstance(r, dict)
+                and r.get("holder") in ("root", "loop")
+                and _opt(_int)(r.get("model"))
+                and _str(r.get("site"))
+                and _int(r.get("bytes"))
+            )
+        )
+    ),
 }
 TIMELINE_TYPES: dict[str, Check] = {
     "t_ms": _num,
