@@ -101,8 +101,9 @@ def hand_offload(model: torch.nn.Module) -> None:
 def cap_memory(gib: float | None, device: torch.device) -> None:
     if gib is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
