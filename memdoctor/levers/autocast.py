@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memdoctor.capture.precision import autocast_now
 from memdoctor.config import GradScalerSettings
 from memdoctor.levers.targets import optimizers_of
 from memdoctor.patching import Undo, set_attr, wrap_forward
@@ -30,13 +31,29 @@ def device_type(model: nn.Module) -> str:
     return "cpu"
 
 
-def autocast_forward(model: nn.Module, precision: str) -> Undo:
-    """Run ``model``'s forward (and so a loss it computes) under ``torch.autocast`` in ``precision``."""
+def autocast_forward(model: nn.Module, precision: str, say: Callable[[str], None] | None = None) -> Undo:
+    """Run ``model``'s forward (and so a loss it computes) under ``torch.autocast`` in ``precision``.
+
+    Where the script already calls the model inside its own ``torch.autocast`` for that device, its
+    autocast is kept and nothing is added: of the same dtype a second context would change nothing,
+    and of another dtype it would silently change the precision the script chose (a bf16 script run
+    in fp16 without its own loss scaling). That case is said once through ``say``."""
     dtype = DTYPES[precision]
+    told: list[bool] = []
 
     def forward(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # the device at call time: the script may move the model after building its optimizer
-        with torch.autocast(device_type=device_type(model), dtype=dtype):
+        device = device_type(model)
+        own = autocast_now(device)
+        if own is not None:
+            if own != dtype and say is not None and not told:
+                told.append(True)
+                say(
+                    f"precision {precision} not applied: the script calls {type(model).__name__} under its "
+                    f"own {str(own).removeprefix('torch.')} autocast, which is kept"
+                )
+            return inner(*args, **kwargs)
+        with torch.autocast(device_type=device, dtype=dtype):
             return inner(*args, **kwargs)
 
     return wrap_forward(model, forward)

@@ -204,7 +204,7 @@ class Installation:
 
     def _precision(self, root: nn.Module) -> LossScaling | None:
         c = self.config
-        self._undo.append(autocast_forward(root, c.precision))
+        self._undo.append(autocast_forward(root, c.precision, self.say))
         if c.precision != "fp16" or c.grad_scaler is None:
             self.applied(f"autocast {c.precision} around {type(root).__name__}.forward")
             return None

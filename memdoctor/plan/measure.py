@@ -10,6 +10,7 @@ import statistics
 from typing import Any
 
 from memdoctor.analysis.layers import layer_table, repeated_blocks
+from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders
 from memdoctor.plan.padding import padding_facts
@@ -42,6 +43,8 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     complete = not summary.get("peak_from_incomplete_step")
     cands = candidates(trace, rows, notes)
     pad, pad_why = padding_facts(trace, summary)
+    amp_share, matmul_bytes = amp_figures(trace, summary, rows, notes)
+    script = summary.get("script_precision") or {}
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, rows, notes)
@@ -56,8 +59,8 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         activations=int(cats["activations"]) + missing,
         temporaries=temporaries,
         fixed=rest - temporaries,
-        amp_share=_amp_share(rows),
-        matmul_param_bytes=sum(r["param_bytes"] for r in rows if AMP_HALVING_TYPES.search(r["type"] or "")),
+        amp_share=amp_share,
+        matmul_param_bytes=matmul_bytes,
         step_ms=_step_ms(summary),
         fwd_bwd_ms=_fwd_bwd_ms(summary)
         or _warmup_fwd_bwd(trace, notes)
@@ -78,6 +81,8 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
+        script_autocast=script.get("autocast"),
+        script_precision=script.get("text"),
     )
 
 
@@ -139,10 +144,50 @@ def _reserved_ratio(trace: Trace, summary: dict[str, Any]) -> float:
     return 1.0
 
 
-def _amp_share(rows: list[dict[str, Any]]) -> float:
-    total = sum(r["activation_self_bytes"] or 0 for r in rows)
-    halved = sum(r["activation_self_bytes"] or 0 for r in rows if AMP_HALVING_TYPES.search(r["type"] or ""))
-    return halved / total if total else 0.0
+def amp_figures(
+    trace: Trace, summary: dict[str, Any], rows: list[dict[str, Any]], notes: list[str]
+) -> tuple[float, int]:
+    """What adding autocast would act on: the share of the activations it would store in 16 bits (those
+    of matmul-type modules still fp32) and the fp32 matmul weight bytes it would cache in 16 bits.
+    Modules the precision collector saw under the script's own autocast, or with 16-bit (or fp64, which
+    autocast leaves alone) outputs, are left out; without that collector, fp32 is assumed and said."""
+    script = summary.get("script_precision")
+    cols = _precision_columns(trace)
+    if script is None or not cols:
+        notes.append(
+            "the script's own precision was not measured (precision collector off): it is assumed to run "
+            "in fp32, so autocast would halve every matmul-type module's activations"
+        )
+        cols = {}
+    params = (script or {}).get("parameter_bytes") or {}
+    # only fp32 weights get a 16-bit copy; unmeasured parameters are taken as fp32
+    fp32_share = params.get("float32", 0) / sum(params.values()) if sum(params.values()) else 1.0
+    total = halved = weights = 0
+    for r in rows:
+        auto, out = cols.get((r["model"], r["index"]), (None, None))
+        matmul = bool(AMP_HALVING_TYPES.search(r["type"] or ""))
+        total += r["activation_self_bytes"] or 0
+        if matmul and not already_half(auto, out) and out in (None, "float32"):
+            halved += r["activation_self_bytes"] or 0
+        if matmul and not already_half(auto, None):
+            weights += r["param_bytes"] or 0
+    return (halved / total if total else 0.0), int(weights * fp32_share)
+
+
+def _precision_columns(trace: Trace) -> dict[tuple[int, int], tuple[Any, Any]]:
+    """(model, module) -> (autocast dtype, output dtype) of the peak step, else the last measured step."""
+    step = peak_step(trace)
+    candidates = [step] if step is not None else []
+    candidates += list(reversed(measured_steps(trace)))
+    for s in candidates:
+        out: dict[tuple[int, int], tuple[Any, Any]] = {}
+        for info in trace.models:
+            autocast, output = module_precision(s, info.index)
+            pairs = zip(autocast, output, strict=False)
+            out.update({(info.index, i): pair for i, pair in enumerate(pairs)})
+        if out:
+            return out
+    return {}
 
 
 def _step_ms(summary: dict[str, Any]) -> float | None:

@@ -51,7 +51,7 @@ def time_model(
     if config.accumulation_steps > 1:
         out["accumulation"] = _accumulation_ms(w, config, assumptions)
         basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
-    if config.precision != "fp32":
+    if w.adds_autocast(config.precision):  # the script's own autocast costs nothing more
         out["autocast"] = _amp_ms(w, config, target, assumptions, basis)
     if config.optimizer == "offload":
         out["offload"] = _transfer_ms(w, w.gradients + w.parameters, target, basis, "offload")
