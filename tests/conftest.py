@@ -59,6 +59,8 @@ FAST_FILES = frozenset(
         "test_plan_accuracy_recorded.py",
         "test_plan_levers.py",
         "test_plan_rules.py",
+        "test_precision_capture.py",
+        "test_precision_plan.py",
         "test_progress.py",
         "test_report.py",
         "test_report_visuals.py",

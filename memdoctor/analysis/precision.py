@@ -13,6 +13,7 @@ from memdoctor.trace import StepRecord, Trace
 NAME = "precision"
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 HALF = ("bfloat16", "float16")
+HALF_BITS = 16
 # The script "runs under its own autocast" when at least this share of its module forwards did.
 AUTOCAST_MAJORITY = 0.5
 # TF32 for fp32 matmuls: what torch.get_float32_matmul_precision() says when it is allowed.
@@ -30,14 +31,15 @@ def measured_steps(trace: Trace) -> list[StepRecord]:
 
 
 def module_precision(step: StepRecord | None, model: int) -> tuple[list[Any], list[Any]]:
-    """``(autocast_dtype, output_dtype)`` columns of ``model`` in ``step`` (empty where not measured)."""
+    """``(autocast_bits, output_bits)`` columns of ``model`` in ``step`` (empty where not measured)."""
     cols = (step.modules.get(model) if step is not None else None) or {}
-    return list(cols.get("autocast_dtype") or []), list(cols.get("output_dtype") or [])
+    return list(cols.get("autocast_bits") or []), list(cols.get("output_bits") or [])
 
 
-def already_half(autocast: Any, output: Any) -> bool:
-    """Whether a module's activations are already 16-bit: it ran under autocast, or its output is."""
-    return (isinstance(autocast, str) and autocast in HALF) or (isinstance(output, str) and output in HALF)
+def already_half(autocast_bits: Any, output_bits: Any) -> bool:
+    """Whether a module's activations are already 16-bit (or narrower): it ran under a 16-bit
+    autocast, or its output is 16-bit."""
+    return any(isinstance(b, (int, float)) and 0 < b <= HALF_BITS for b in (autocast_bits, output_bits))
 
 
 def script_precision(trace: Trace) -> dict[str, Any] | None:

@@ -7,8 +7,9 @@ them in 16 bits already; assuming fp32 there predicted a minimal GPT trainer's p
 ran out of memory. So the plan starts from what this collector saw the script do.
 
 On the hot path (every module call of a detailed step) it reads the autocast switch of the profiled
-device type (one C call) and, for a module's first call in the step, the autocast dtype and the dtype
-of its output's first floating tensor; for leaf modules it adds that tensor's bytes to its dtype's
+device type (one C call) and, for a module's first call in the step, the width in bits of the autocast
+dtype and of its output's first floating tensor (the per-module columns ``autocast_bits`` and
+``output_bits``: trace columns are numbers); for leaf modules it adds that tensor's bytes to its dtype's
 total (``numel * element_size``: no kernel, no host synchronisation). Parameters and TF32 switches are
 read once per step, off the hot path.
 """
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from memdoctor.capture.session import ProfileSession
 
 NAME = "precision"
-OFF = "off"  # the ``autocast_dtype`` column of a module whose forward ran without autocast
+OFF = 0  # the ``autocast_bits`` column of a module whose forward ran without autocast
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -110,8 +111,8 @@ class StepPrecision:
         self.tf32 = tf32
         self.forwards = 0
         self.auto: dict[str, int] = {}  # autocast dtype -> module forwards under it
-        self.first: dict[int, str] = {}  # id(module) -> autocast dtype (or OFF) at its first call
-        self.out: dict[int, str] = {}  # id(module) -> dtype of its first call's output
+        self.first: dict[int, int] = {}  # id(module) -> autocast dtype's bits (or OFF) at its first call
+        self.out: dict[int, int] = {}  # id(module) -> bits of its first call's output dtype
         self.bytes: dict[str, int] = {}  # leaf modules' output bytes by dtype
 
 
@@ -156,11 +157,14 @@ class PrecisionCollector(Collector):
         if now is None or in_backward():  # a checkpoint's recomputation: counted at its forward
             return
         now.forwards += 1
-        state = dtype_name(self._dtype()) if self._enabled() else OFF
-        if state != OFF:
-            now.auto[state] = now.auto.get(state, 0) + 1
+        if not self._enabled():
+            now.first.setdefault(key, OFF)
+            return
+        dtype = self._dtype()
+        name = dtype_name(dtype)
+        now.auto[name] = now.auto.get(name, 0) + 1
         if key not in now.first:
-            now.first[key] = state
+            now.first[key] = dtype.itemsize * 8
 
     def on_forward_post(self, key: int, module: nn.Module, output: Any, depth: int, timed: bool) -> None:
         now = self._now
@@ -172,10 +176,11 @@ class PrecisionCollector(Collector):
         t = first_float(output)
         if t is None:
             return
-        name = dtype_name(t.dtype)
-        now.out.setdefault(key, name)
+        size = t.element_size()
+        now.out.setdefault(key, size * 8)
         if leaf:
-            now.bytes[name] = now.bytes.get(name, 0) + t.numel() * t.element_size()
+            name = dtype_name(t.dtype)
+            now.bytes[name] = now.bytes.get(name, 0) + t.numel() * size
 
     # ---------------------------------------------------------------------------------- records
     def step_field(self, step: int) -> Any:
@@ -206,9 +211,9 @@ class PrecisionCollector(Collector):
             model, index = loc
             if model not in out:
                 n = session.module_count(model)
-                out[model] = {"autocast_dtype": [None] * n, "output_dtype": [None] * n}
+                out[model] = {"autocast_bits": [None] * n, "output_bits": [None] * n}
             cols = out[model]
-            if index < len(cols["autocast_dtype"]):
-                cols["autocast_dtype"][index] = state
-                cols["output_dtype"][index] = data.out.get(key)
+            if index < len(cols["autocast_bits"]):
+                cols["autocast_bits"][index] = state
+                cols["output_bits"][index] = data.out.get(key)
         return out

@@ -167,7 +167,7 @@ def amp_figures(
         auto, out = cols.get((r["model"], r["index"]), (None, None))
         matmul = bool(AMP_HALVING_TYPES.search(r["type"] or ""))
         total += r["activation_self_bytes"] or 0
-        if matmul and not already_half(auto, out) and out in (None, "float32"):
+        if matmul and not already_half(auto, out) and out in (None, 32):
             halved += r["activation_self_bytes"] or 0
         if matmul and not already_half(auto, None):
             weights += r["param_bytes"] or 0
@@ -175,7 +175,7 @@ def amp_figures(
 
 
 def _precision_columns(trace: Trace) -> dict[tuple[int, int], tuple[Any, Any]]:
-    """(model, module) -> (autocast dtype, output dtype) of the peak step, else the last measured step."""
+    """(model, module) -> (autocast bits, output bits) of the peak step, else the last measured step."""
     step = peak_step(trace)
     candidates = [step] if step is not None else []
     candidates += list(reversed(measured_steps(trace)))
