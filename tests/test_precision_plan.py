@@ -68,6 +68,10 @@ def test_the_summary_says_what_precision_the_script_runs_in() -> None:
     assert off is not None and off["autocast"] is None and off["text"].startswith("runs without autocast")
     assert script_precision(_trace(None)) is None  # not measured: no claim
     assert build_summary(_trace("bfloat16"))["script_precision"]["autocast"] == "bf16"
+    applied = _trace("bfloat16")
+    applied.header["applied_config"] = {"memdoctor_config": 1, "precision": "bf16"}
+    text = (script_precision(applied) or {})["text"]
+    assert "own" not in text and "memdoctor's applied config asks for it" in text
 
 
 def test_parameter_dtypes_are_labelled_by_bytes() -> None:

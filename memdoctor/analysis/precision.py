@@ -72,6 +72,8 @@ def script_precision(trace: Trace) -> dict[str, Any] | None:
         "grad_scaler": any(s.grad_scaler for s in trace.steps),
         "tf32": tf32_state(last.get("tf32") or {}),
     }
+    applied = (trace.header.get("applied_config") or {}).get("precision")
+    out["applied_autocast"] = applied if applied in ("bf16", "fp16") else None
     out["text"] = describe(out)
     return out
 
@@ -100,7 +102,9 @@ def tf32_state(raw: dict[str, Any]) -> dict[str, Any]:
 def describe(p: dict[str, Any]) -> str:
     """One line: "runs under its own bf16 autocast (100% of module forwards); parameters fp32; ..."."""
     share = f"{p['autocast_share']:.0%} of module forwards"
-    if p["autocast"]:
+    if p["autocast"] and p.get("applied_autocast"):
+        parts = [f"runs under {p['autocast']} autocast ({share}; memdoctor's applied config asks for it)"]
+    elif p["autocast"]:
         parts = [f"runs under its own {p['autocast']} autocast ({share})"]
     elif p["autocast_share"]:
         parts = [f"runs mostly without autocast (autocast in {share})"]
