@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from memdoctor.analysis.precision import dtype_label, script_precision
 from memdoctor.analysis.summary import not_measured
 from memdoctor.plan import rules as R
@@ -14,6 +16,12 @@ from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.model import predict
 from memdoctor.plan.target import Target
 from memdoctor.plan.tiers import tier_one, tier_two
+from memdoctor.plan.timing import (
+    AMP_OTHER_TIME_FACTOR,
+    AMP_TENSOR_EFFICIENCY,
+    TF32_OVER_16BIT,
+    amp_time_factor,
+)
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace
 from tests.test_plan import hand_workload
@@ -143,3 +151,27 @@ def test_a_failed_collector_is_in_not_measured() -> None:
     b.end("completed")
     notes = not_measured(b.build())
     assert "the histograms collector failed and was switched off: ValueError: x" in notes
+
+
+def test_tf32_on_shrinks_what_autocast_gains() -> None:
+    """H200: fp32 67, bf16 989 TFLOP/s dense; TF32 runs fp32 matmuls at half the bf16 rate."""
+    fp32 = hand_workload(device_name="NVIDIA H200", peak_fraction=0.06, compute_class="high")
+    tf32 = hand_workload(
+        device_name="NVIDIA H200", peak_fraction=0.06, compute_class="high", script_tf32=True
+    )
+    plain, _ = amp_time_factor(fp32, "bf16")
+    with_tf32, why = amp_time_factor(tf32, "bf16")
+    # the matmul share is the same measured FLOP rate over the faster TF32 peak: smaller
+    share = 0.06 * 67 / (989 * TF32_OVER_16BIT) * 100.0 / 80.0
+    speedup = 1 / TF32_OVER_16BIT * AMP_TENSOR_EFFICIENCY  # 1.0: no faster than TF32
+    expected = share / max(speedup, 1.0) + (1 - share) * AMP_OTHER_TIME_FACTOR
+    assert with_tf32 == pytest.approx(expected)
+    assert with_tf32 > plain and "TF32 (on in the script)" in why
+
+
+def test_tf32_is_read_from_a_cuda_run_only() -> None:
+    assert _workload(_trace("off")).script_tf32 is True  # "high" float32 matmul precision
+    cpu = _trace("off")
+    for step in cpu.steps:
+        step.collectors["precision"]["device_type"] = "cpu"
+    assert _workload(cpu).script_tf32 is None

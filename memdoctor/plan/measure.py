@@ -83,6 +83,9 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
         script_autocast=script.get("autocast"),
         script_precision=script.get("text"),
+        script_tf32=(script.get("tf32") or {}).get("matmul_tf32")
+        if script.get("device_type") == "cuda"
+        else None,
     )
 
 
@@ -172,6 +175,11 @@ def amp_figures(
         if matmul and not already_half(auto, None):
             weights += r["param_bytes"] or 0
     return (halved / total if total else 0.0), int(weights * fp32_share)
+
+
+def _tf32(script: dict[str, Any]) -> bool | None:
+    """Whether the script's fp32 matmuls may use TF32: on a CUDA run only (None: not measured)."""
+    return (script.get("tf32") or {}).get("matmul_tf32") if script.get("device_type") == "cuda" else None
 
 
 def _precision_columns(trace: Trace) -> dict[tuple[int, int], tuple[Any, Any]]:

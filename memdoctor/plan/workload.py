@@ -88,6 +88,7 @@ class Workload:
     # collector; ``script_precision`` is its one-line description (None: not measured, fp32 assumed).
     script_autocast: str | None = None
     script_precision: str | None = None
+    script_tf32: bool | None = None  # the script's fp32 matmuls may use TF32 (a CUDA run; None: unknown)
 
     def adds_autocast(self, precision: str) -> bool:
         """Whether a config's ``precision`` changes the script: autocast where it runs none. Under its
