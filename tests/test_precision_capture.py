@@ -13,6 +13,7 @@ from torch import nn
 from memdoctor.analysis.summary import not_measured
 from memdoctor.capture import gradnorms
 from memdoctor.capture.collectors import make_collectors
+from memdoctor.capture.precision import PrecisionCollector
 from memdoctor.capture.session import ProfileSession
 from memdoctor.levers.autocast import autocast_forward
 from tests.tracebuilder import trace_from_records
@@ -124,3 +125,13 @@ def test_the_autocast_lever_keeps_a_scripts_own_autocast(
     assert len(said) == (1 if told else 0)
     if told:
         assert "precision fp16 not applied" in said[0] and "own bfloat16 autocast" in said[0]
+
+
+def test_a_collector_that_fails_to_start_is_not_measured_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Any, **_: Any) -> None:
+        raise KeyError("our own bug")
+
+    monkeypatch.setattr(PrecisionCollector, "__init__", broken)
+    made, notes = make_collectors(["precision"])
+    assert made == []
+    assert notes == ["precision: the collector failed to start: KeyError: 'our own bug'"]

@@ -144,6 +144,8 @@ def make_collectors(names: list[str], **options: Any) -> tuple[list[Collector], 
             out.append(classes[name](**options))
         except CollectorUnavailable as exc:
             notes.append(f"{name}: {exc}")
+        except Exception as exc:  # memdoctor's own failure: that collector is off, the script still runs
+            notes.append(f"{name}: the collector failed to start: {type(exc).__name__}: {exc}"[:400])
     return out, notes
 
 
