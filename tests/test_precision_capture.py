@@ -15,7 +15,8 @@ from memdoctor.capture import gradnorms
 from memdoctor.capture.collectors import make_collectors
 from memdoctor.capture.precision import PrecisionCollector
 from memdoctor.capture.session import ProfileSession
-from memdoctor.levers.autocast import autocast_forward
+from memdoctor.config import GradScalerSettings
+from memdoctor.levers.autocast import LossScaling, autocast_forward
 from tests.tracebuilder import trace_from_records
 
 
@@ -135,3 +136,18 @@ def test_a_collector_that_fails_to_start_is_not_measured_not_a_crash(monkeypatch
     made, notes = make_collectors(["precision"])
     assert made == []
     assert notes == ["precision: the collector failed to start: KeyError: 'our own bug'"]
+
+
+def test_fp16_loss_scaling_stands_down_where_the_scripts_autocast_is_kept() -> None:
+    model = nn.Linear(4, 4)
+    scaling = LossScaling(GradScalerSettings(), model, fail=pytest.fail)
+    undo = autocast_forward(model, "fp16", None, scaling.stand_down)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(2, 4)).float().sum()
+    finally:
+        undo()
+    assert scaling.off
+    assert scaling.scale(loss) is loss  # the script's bf16 loss is not scaled by a GradScaler of ours
+    assert scaling.scaler is None
+    assert float(scaling.current_scale(loss)) == 1.0
