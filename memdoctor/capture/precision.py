@@ -134,6 +134,7 @@ class PrecisionCollector(Collector):
         self._now: StepPrecision | None = None  # the detailed step in progress
         self._steps: dict[int, StepPrecision] = {}
         self._fields: dict[int, dict[str, Any]] = {}
+        self._leaf: dict[int, bool] = {}  # id(module) -> it has no children (its outputs are counted)
 
     def start(self, session: ProfileSession) -> None:
         self._session = session
@@ -170,10 +171,13 @@ class PrecisionCollector(Collector):
         now = self._now
         if now is None or output is None:
             return
-        leaf = not module._modules
+        leaf = self._leaf.get(key)
+        if leaf is None:
+            leaf = self._leaf[key] = next(iter(module.children()), None) is None
         if (key in now.out and not leaf) or in_backward():
             return
-        t = first_float(output)
+        # the common case first: a module returning one floating tensor
+        t = output if isinstance(output, torch.Tensor) and output.is_floating_point() else first_float(output)
         if t is None:
             return
         size = t.element_size()
