@@ -151,3 +151,17 @@ def test_fp16_loss_scaling_stands_down_where_the_scripts_autocast_is_kept() -> N
     assert scaling.scale(loss) is loss  # the script's bf16 loss is not scaled by a GradScaler of ours
     assert scaling.scaler is None
     assert float(scaling.current_scale(loss)) == 1.0
+
+
+def test_fp16_loss_scaling_stands_down_under_the_scripts_own_fp16_autocast_too() -> None:
+    """A script autocasting fp16 by itself scales its own loss (or chose not to): ours would double it."""
+    model = nn.Linear(4, 4)
+    scaling = LossScaling(GradScalerSettings(), model, fail=pytest.fail)
+    said: list[str] = []
+    undo = autocast_forward(model, "fp16", said.append, scaling.stand_down)
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.randn(2, 4))
+    finally:
+        undo()
+    assert scaling.off and said == []  # the same dtype: nothing to say

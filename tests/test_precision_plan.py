@@ -10,6 +10,7 @@ import pytest
 
 from memdoctor.analysis.precision import dtype_label, script_precision
 from memdoctor.analysis.summary import not_measured
+from memdoctor.config.from_plan import from_plan
 from memdoctor.plan import rules as R
 from memdoctor.plan.config import Config
 from memdoctor.plan.measure import measured_workload
@@ -175,3 +176,12 @@ def test_tf32_is_read_from_a_cuda_run_only() -> None:
     for step in cpu.steps:
         step.collectors["precision"]["device_type"] = "cpu"
     assert _workload(cpu).script_tf32 is None
+
+
+def test_memdoctor_yaml_says_bf16_where_the_plan_keeps_the_scripts_bf16() -> None:
+    plan = {"config": Config(checkpoint=("block",)).as_dict(), "script_autocast": "bf16"}
+    assert from_plan(plan).precision == "bf16"
+    assert from_plan({**plan, "script_autocast": None}).precision == "fp32"
+    # fp16 stays fp32 in the file: its fp16 would bring memdoctor's loss scaling beside the script's own
+    fp16 = from_plan({**plan, "script_autocast": "fp16"})
+    assert fp16.precision == "fp32" and fp16.grad_scaler is None

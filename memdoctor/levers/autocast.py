@@ -42,8 +42,9 @@ def autocast_forward(
     Where the script already calls the model inside its own ``torch.autocast`` for that device, its
     autocast is kept and nothing is added: of the same dtype a second context would change nothing,
     and of another dtype it would silently change the precision the script chose (a bf16 script run
-    in fp16 without its own loss scaling). That case is said once through ``say``, and ``on_kept`` is
-    called (fp16 loss scaling then stands down: the script's own precision needs none of ours)."""
+    in fp16 without its own loss scaling). That case is said once through ``say``. ``on_kept`` is called
+    the first time the script's autocast is kept, of any dtype (fp16 loss scaling then stands down: a
+    script autocasting by itself scales its loss itself, or chose not to)."""
     dtype = DTYPES[precision]
     told: list[bool] = []
 
@@ -52,11 +53,11 @@ def autocast_forward(
         device = device_type(model)
         own = autocast_now(device)
         if own is not None:
-            if own != dtype and not told:
+            if not told:
                 told.append(True)
                 if on_kept is not None:
                     on_kept()
-                if say is not None:
+                if say is not None and own != dtype:
                     say(
                         f"precision {precision} not applied: the script calls {type(model).__name__} under "
                         f"its own {str(own).removeprefix('torch.')} autocast, which is kept"
