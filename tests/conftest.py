@@ -61,6 +61,8 @@ FAST_FILES = frozenset(
         "test_plan_full_offload.py",
         "test_plan_levers.py",
         "test_plan_rules.py",
+        "test_precision_capture.py",
+        "test_precision_plan.py",
         "test_progress.py",
         "test_report.py",
         "test_report_visuals.py",

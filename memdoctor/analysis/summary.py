@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from memdoctor.analysis import data, devicefacts, flops, histograms, transfers, verified
+from memdoctor.analysis import data, devicefacts, flops, histograms, precision, transfers, verified
 from memdoctor.analysis.faults import event_row, fault_info, live_at_fault
 from memdoctor.analysis.gradnorms import grad_flags, grad_norm_series
 from memdoctor.analysis.layers import ACCOUNTED, module_label, outside_holders, summary_layers
@@ -23,7 +23,7 @@ from memdoctor.version import __version__
 SUMMARY_FORMAT_VERSION = 1
 # The collectors' modules that add ``summary.json`` keys, in order: each has ``summarize(trace,
 # summary)``, which adds its keys (null where the trace did not measure them).
-SECTIONS: tuple[ModuleType, ...] = (devicefacts, flops, data, transfers, histograms, verified)
+SECTIONS: tuple[ModuleType, ...] = (devicefacts, flops, data, transfers, histograms, precision, verified)
 
 
 def summary_figures(trace: Trace) -> dict[str, Any]:
@@ -113,6 +113,11 @@ def not_measured(trace: Trace) -> list[str]:
     strides = sorted({s.timeline_stride for s in trace.steps if s.timeline_stride > 1})
     if strides:
         notes.append(f"memory timeline: downsampled (1 in {strides[-1]} samples kept at most)")
+    notes += [
+        str(e.get("message"))
+        for e in trace.events
+        if e.get("kind") == "collector_failed" and e.get("message") not in notes
+    ]
     if trace.truncated:
         notes.append("trace: its tail was cut off (the run died while writing it); later records are lost")
     return notes

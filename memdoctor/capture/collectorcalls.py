@@ -19,6 +19,7 @@ class CollectorCalls:
         self.all: list[Collector] = list(collectors)
         self.modules: tuple[Collector, ...] = tuple(c for c in self.all if c.wants_modules)
         self.sink = sink
+        self.off: set[str] = set()  # the session's own measurements switched off by ``guarded``
 
     def call(self, c: Collector, method: str, *args: Any) -> Any:
         try:
@@ -47,6 +48,20 @@ class CollectorCalls:
             c.stop()
         msg = f"the {c.name} collector failed and was switched off: {type(exc).__name__}: {exc}"
         self.sink({"type": "event", "kind": "collector_failed", "message": msg[:400]})
+
+    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` for a measurement the session makes itself inside a script's call (gradient
+        norms in ``optimizer.step()``): a failure switches ``what`` off for the rest of the run, says so
+        in the trace and returns None, instead of raising out of the script's call as its own error."""
+        if what in self.off:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.off.add(what)
+            msg = f"{what}: memdoctor's measurement failed and was switched off: {type(exc).__name__}: {exc}"
+            self.sink({"type": "event", "kind": "collector_failed", "message": msg[:400]})
+            return None
 
     # ------------------------------------------------------------------------------ module calls (hot)
     def forward_pre(self, module: nn.Module, depth: int, timed: bool) -> None:

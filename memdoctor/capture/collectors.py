@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # What ``--collect`` accepts: each collector class's ``name``, in the order ``collector_classes`` lists
 # them (the order they are started and called). Plain strings, so the launching process checks
 # ``--collect`` without importing torch.
-NAMES: tuple[str, ...] = ("device", "nvtx", "data", "transfers", "histograms", "flops")
+NAMES: tuple[str, ...] = ("device", "nvtx", "data", "transfers", "histograms", "flops", "precision")
 ALL = "all"
 NONE = "none"
 
@@ -118,6 +118,7 @@ def collector_classes() -> dict[str, type[Collector]]:
     from memdoctor.capture.flops import FlopCollector
     from memdoctor.capture.histograms import HistogramCollector
     from memdoctor.capture.nvtxranges import NvtxCollector
+    from memdoctor.capture.precision import PrecisionCollector
     from memdoctor.capture.transfers import TransferCollector
 
     classes: list[type[Collector]] = [
@@ -127,6 +128,7 @@ def collector_classes() -> dict[str, type[Collector]]:
         TransferCollector,
         HistogramCollector,
         FlopCollector,
+        PrecisionCollector,
     ]
     return {cls.name: cls for cls in classes}
 
@@ -142,6 +144,8 @@ def make_collectors(names: list[str], **options: Any) -> tuple[list[Collector], 
             out.append(classes[name](**options))
         except CollectorUnavailable as exc:
             notes.append(f"{name}: {exc}")
+        except Exception as exc:  # memdoctor's own failure: that collector is off, the script still runs
+            notes.append(f"{name}: the collector failed to start: {type(exc).__name__}: {exc}"[:400])
     return out, notes
 
 

@@ -66,7 +66,7 @@ class OptimizerSteps:
             ledger.grads_live = sum(s._data.grad_bytes.values())
             if s._data.grad_norms is None:  # the step's first optimizer: no parameter updated yet
                 # Launched on the device, never read here: build_step reads them once per step.
-                s._data.grad_norms = gradnorms.collect(ledger.flat_params)
+                s._data.grad_norms = s._calls.guarded("gradient norms", gradnorms.collect, ledger.flat_params)
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         s = self.session

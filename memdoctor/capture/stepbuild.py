@@ -192,7 +192,7 @@ def _add_grad_norms(data: StepData, modules: dict[int, dict[str, list[Any]]]) ->
     sizes = {m: len(cols["calls"]) for m, cols in modules.items()}
     try:
         cols, data.grad_norm_field = gradnorms.step_figures(data.grad_norms, data.grad_order, sizes)
-    except RuntimeError:  # the device failed (a step cut short by a CUDA error): not measured
+    except Exception:  # the device failed (a step cut short by a CUDA error), or our own bug: not measured
         return
     for m, extra in cols.items():
         modules[m].update(extra)

@@ -64,6 +64,9 @@ def _summary_rows(summary: dict[str, Any], status: str | None, message: str | No
         ]
         if parts:  # none before a first step: no empty row
             rows.append(("at the peak", ", ".join(parts)))
+    precision = summary.get("script_precision") or {}
+    if precision.get("text"):
+        rows.append(("precision", escape(f"the script {precision['text']}")))
     status_text = status or summary.get("status") or "unknown"
     rows.append(("status", escape(f"{status_text}: {message}" if message else status_text)))
     if summary.get("headline"):
@@ -225,6 +228,8 @@ def _plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         verdict = "nothing modelled fits"
     rows.append(("plan", verdict))
+    if plan.get("script_precision"):
+        rows.append(("precision", f"kept as the script's: it {plan['script_precision']}"))
     rows.append(("predicted peak", f"{format_bytes(plan['predicted_reserved_bytes'])} reserved"))
     rows.append(("step time", "unknown from this trace" if ratio is None else f"x{ratio:.2f} (predicted)"))
     if plan["config"]["checkpoint"]:

@@ -32,6 +32,11 @@ def from_plan(
 ) -> PlanConfig:
     """The config for ``summary["plan"]`` (the planner's chosen, else closest, config)."""
     levers = config_from_dict(plan.get("config") or {})
+    if levers.precision == "fp32" and plan.get("script_autocast") == "bf16":
+        # The plan keeps the script's own bf16 autocast: the file says so (its exports then ask a
+        # framework for bf16, not fp32), and ``memdoctor run`` adds nothing inside the script's autocast.
+        # Not for fp16: the file's fp16 comes with memdoctor's loss scaling, the script has its own.
+        levers = dataclasses.replace(levers, precision="bf16")
     k = levers.accumulation_steps
     model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
     micro = batch_size // k if batch_size and batch_size % k == 0 else None

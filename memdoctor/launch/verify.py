@@ -244,6 +244,8 @@ def _record(summary: dict[str, Any], target: Target | None, max_rounds: int) -> 
 
 def _config(plan: dict[str, Any], trace: Trace, summary: dict[str, Any]) -> PlanConfig:
     name = Path(trace.path).name if trace.path else None
+    own = (summary.get("script_precision") or {}).get("autocast")  # a re-plan's dict lacks it
+    plan = {**plan, "script_autocast": plan.get("script_autocast", own)}
     return from_plan(plan, trace=trace, trace_path=name, batch_size=batch_size(summary))
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memdoctor.capture.precision import autocast_now
 from memdoctor.config import GradScalerSettings
 from memdoctor.levers.targets import optimizers_of
 from memdoctor.patching import Undo, set_attr, wrap_forward
@@ -30,13 +31,39 @@ def device_type(model: nn.Module) -> str:
     return "cpu"
 
 
-def autocast_forward(model: nn.Module, precision: str) -> Undo:
-    """Run ``model``'s forward (and so a loss it computes) under ``torch.autocast`` in ``precision``."""
+def autocast_forward(
+    model: nn.Module,
+    precision: str,
+    say: Callable[[str], None] | None = None,
+    on_kept: Callable[[], None] | None = None,
+) -> Undo:
+    """Run ``model``'s forward (and so a loss it computes) under ``torch.autocast`` in ``precision``.
+
+    Where the script already calls the model inside its own ``torch.autocast`` for that device, its
+    autocast is kept and nothing is added: of the same dtype a second context would change nothing,
+    and of another dtype it would silently change the precision the script chose (a bf16 script run
+    in fp16 without its own loss scaling). That case is said once through ``say``. ``on_kept`` is called
+    the first time the script's autocast is kept, of any dtype (fp16 loss scaling then stands down: a
+    script autocasting by itself scales its loss itself, or chose not to)."""
     dtype = DTYPES[precision]
+    told: list[bool] = []
 
     def forward(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # the device at call time: the script may move the model after building its optimizer
-        with torch.autocast(device_type=device_type(model), dtype=dtype):
+        device = device_type(model)
+        own = autocast_now(device)
+        if own is not None:
+            if not told:
+                told.append(True)
+                if on_kept is not None:
+                    on_kept()
+                if say is not None and own != dtype:
+                    say(
+                        f"precision {precision} not applied: the script calls {type(model).__name__} under "
+                        f"its own {str(own).removeprefix('torch.')} autocast, which is kept"
+                    )
+            return inner(*args, **kwargs)
+        with torch.autocast(device_type=device, dtype=dtype):
             return inner(*args, **kwargs)
 
     return wrap_forward(model, forward)
@@ -54,6 +81,11 @@ class LossScaling:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._undo: list[Undo] = []
         self._stepping = False
+        self.off = False  # the script keeps its own autocast (``autocast_forward``): no scaling of ours
+
+    def stand_down(self) -> None:
+        """The script runs its own autocast, which is kept: leave its loss and optimizer steps alone."""
+        self.off = True
 
     def install(self) -> Undo:
         utils = torch.nn.utils
@@ -67,6 +99,8 @@ class LossScaling:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current scale (a device tensor: no host sync)."""
+        if self.off:
+            return loss
         if self.scaler is None:
             s = self.settings
             self.scaler = torch.amp.GradScaler(  # now: the model is on the device it trains on
@@ -82,6 +116,8 @@ class LossScaling:
         return self.scaler.scale(loss)
 
     def current_scale(self, like: torch.Tensor) -> torch.Tensor:
+        if self.off:
+            return torch.ones((), dtype=torch.float32, device=like.device)
         assert self.scaler is not None
         return self.scaler.scale(torch.ones((), dtype=torch.float32, device=like.device))
 

@@ -217,11 +217,12 @@ class Installation:
 
     def _precision(self, root: nn.Module) -> LossScaling | None:
         c = self.config
-        self._undo.append(autocast_forward(root, c.precision))
         if c.precision != "fp16" or c.grad_scaler is None:
+            self._undo.append(autocast_forward(root, c.precision, self.say))
             self.applied(f"autocast {c.precision} around {type(root).__name__}.forward")
             return None
         scaling = LossScaling(c.grad_scaler, root, self.fail)
+        self._undo.append(autocast_forward(root, c.precision, self.say, scaling.stand_down))
         self._undo.append(scaling.install())
         scaling.attach()
         self.backward.scale = scaling.scale

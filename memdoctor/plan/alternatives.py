@@ -113,7 +113,7 @@ def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> lis
         config = dataclasses.replace(config, accumulation_steps=a)
         stages.append(config)
     precision = "bf16" if target.bf16(w) else "fp16" if w.precision_verdict == "fp16_safe" else None
-    if precision:
+    if precision and w.script_autocast is None:  # a script under its own autocast keeps it
         stages.append(dataclasses.replace(config, precision=precision))
     return stages
 

@@ -10,6 +10,7 @@ import statistics
 from typing import Any
 
 from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blocks
+from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
 from memdoctor.plan.padding import padding_facts
@@ -44,6 +45,8 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     complete = not summary.get("peak_from_incomplete_step")
     cands = candidates(trace, rows, notes)
     pad, pad_why = padding_facts(trace, summary)
+    amp_share, matmul_bytes = amp_figures(trace, summary, rows, notes, outside)
+    script = summary.get("script_precision") or {}
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, rows, notes)
@@ -58,8 +61,8 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         activations=int(cats["activations"]) + missing,
         temporaries=temporaries,
         fixed=rest - temporaries,
-        amp_share=_amp_share(rows, outside),
-        matmul_param_bytes=sum(r["param_bytes"] for r in rows if AMP_HALVING_TYPES.search(r["type"] or "")),
+        amp_share=amp_share,
+        matmul_param_bytes=matmul_bytes,
         step_ms=_step_ms(summary),
         fwd_bwd_ms=_fwd_bwd_ms(summary)
         or _warmup_fwd_bwd(trace, notes)
@@ -82,6 +85,11 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
         shard_units=shard_units(trace, notes),
         outside_bytes=_outside_bytes(outside, notes),
+        script_autocast=script.get("autocast"),
+        script_precision=script.get("text"),
+        script_tf32=(script.get("tf32") or {}).get("matmul_tf32")
+        if script.get("device_type") == "cuda"
+        else None,
     )
 
 
@@ -156,14 +164,62 @@ def _outside_bytes(outside: list[dict[str, Any]], notes: list[str]) -> int:
     return total
 
 
-def _amp_share(rows: list[dict[str, Any]], outside: list[dict[str, Any]] | None = None) -> float:
-    """The share of the saved activations that matmul-type modules saved. The loop's own (a loss
-    outside the model) count in the whole and are never halved: a loss autocasts to fp32 (a root's
-    own code is in its row already)."""
-    total = sum(r["activation_self_bytes"] or 0 for r in rows)
-    total += sum(r["activation_bytes"] for r in outside or [] if r["holder"] == "loop")
-    halved = sum(r["activation_self_bytes"] or 0 for r in rows if AMP_HALVING_TYPES.search(r["type"] or ""))
-    return halved / total if total else 0.0
+def amp_figures(
+    trace: Trace,
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    notes: list[str],
+    outside: list[dict[str, Any]] | None = None,
+) -> tuple[float, int]:
+    """What adding autocast would act on: the share of the activations it would store in 16 bits (those
+    of matmul-type modules still fp32) and the fp32 matmul weight bytes it would cache in 16 bits.
+    Modules the precision collector saw under the script's own autocast, or with 16-bit (or fp64, which
+    autocast leaves alone) outputs, are left out; without that collector, fp32 is assumed and said.
+    The loop's own saved tensors (a loss outside the model) count in the whole and are never halved: a
+    loss autocasts to fp32 (a root's own code is in its row already)."""
+    script = summary.get("script_precision")
+    cols = _precision_columns(trace)
+    if script is None or not cols:
+        notes.append(
+            "the script's own precision was not measured (precision collector off): it is assumed to run "
+            "in fp32, so autocast would halve every matmul-type module's activations"
+        )
+        cols = {}
+    params = (script or {}).get("parameter_bytes") or {}
+    # only fp32 weights get a 16-bit copy; unmeasured parameters are taken as fp32
+    fp32_share = params.get("float32", 0) / sum(params.values()) if sum(params.values()) else 1.0
+    total = sum(r["activation_bytes"] for r in outside or [] if r["holder"] == "loop")
+    halved = weights = 0
+    for r in rows:
+        auto, out = cols.get((r["model"], r["index"]), (None, None))
+        matmul = bool(AMP_HALVING_TYPES.search(r["type"] or ""))
+        total += r["activation_self_bytes"] or 0
+        if matmul and not already_half(auto, out) and out in (None, 32):
+            halved += r["activation_self_bytes"] or 0
+        if matmul and not already_half(auto, None):
+            weights += r["param_bytes"] or 0
+    return (halved / total if total else 0.0), int(weights * fp32_share)
+
+
+def _tf32(script: dict[str, Any]) -> bool | None:
+    """Whether the script's fp32 matmuls may use TF32: on a CUDA run only (None: not measured)."""
+    return (script.get("tf32") or {}).get("matmul_tf32") if script.get("device_type") == "cuda" else None
+
+
+def _precision_columns(trace: Trace) -> dict[tuple[int, int], tuple[Any, Any]]:
+    """(model, module) -> (autocast bits, output bits) of the peak step, else the last measured step."""
+    step = peak_step(trace)
+    candidates = [step] if step is not None else []
+    candidates += list(reversed(measured_steps(trace)))
+    for s in candidates:
+        out: dict[tuple[int, int], tuple[Any, Any]] = {}
+        for info in trace.models:
+            autocast, output = module_precision(s, info.index)
+            pairs = zip(autocast, output, strict=False)
+            out.update({(info.index, i): pair for i, pair in enumerate(pairs)})
+        if out:
+            return out
+    return {}
 
 
 def _step_ms(summary: dict[str, Any]) -> float | None:

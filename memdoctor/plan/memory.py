@@ -58,11 +58,7 @@ def memory_parts(
         assumptions.append("activations and temporaries scale linearly with the micro-batch size")
     seq = padding_scale(w, config, assumptions)
     amp = activation_scale(w, config) / scale / seq
-    if config.precision != "fp32":
-        assumptions.append(
-            f"autocast stores {100 * w.amp_share:.0f}% of the activations (matmul-type modules) in 16 bits; "
-            "the script is assumed to run in fp32 now; fp32 master weights and optimizer state stay"
-        )
+    amp_assumption(w, config, assumptions)
     acts = w.activations * scale * amp * seq
     freed = sum(c.free_bytes for c in chosen) * scale * amp * seq
     recompute = max((c.free_bytes for c in chosen), default=0) * scale * amp * seq
@@ -90,14 +86,31 @@ def memory_parts(
         "temporaries": int(_temporaries_left(w, config, assumptions) * scale * seq),
         "fixed": w.fixed,
         "autocast_weight_cache": int(w.matmul_param_bytes * AMP_WEIGHT_CACHE_FACTOR)
-        if config.precision != "fp32"
+        if w.adds_autocast(config.precision)
         else 0,
     }
 
 
+def amp_assumption(w: Workload, config: Config, assumptions: list[str]) -> None:
+    """What the prediction takes autocast to change, starting from the script's own precision."""
+    if config.precision == "fp32":
+        return
+    if not w.adds_autocast(config.precision):
+        assumptions.append(
+            f"the script already runs under its own {w.script_autocast} autocast, which is kept: "
+            f"precision {config.precision} changes nothing here"
+        )
+        return
+    start = f"measured: {w.script_precision}" if w.script_precision else "assumed fp32 (not measured)"
+    assumptions.append(
+        f"autocast stores {100 * w.amp_share:.0f}% of the activations (matmul-type modules still in fp32) "
+        f"in 16 bits; the script as profiled {start}; fp32 master weights and optimizer state stay"
+    )
+
+
 def activation_scale(w: Workload, config: Config) -> float:
     """What the micro-batch, the padding policy and autocast multiply the measured activations by."""
-    amp = 1.0 - w.amp_share * (1.0 - AMP_ACTIVATION_FACTOR) if config.precision != "fp32" else 1.0
+    amp = 1.0 - w.amp_share * (1.0 - AMP_ACTIVATION_FACTOR) if w.adds_autocast(config.precision) else 1.0
     return amp * padding_scale(w, config) / config.accumulation_steps
 
 

@@ -125,8 +125,12 @@ def _stack(x: RuleInput) -> list[Candidate]:
 def mixed_precision(x: RuleInput) -> list[Finding]:
     """Mixed precision: bf16 autocast where the card has it (no loss scaling needed); else fp16 with a
     GradScaler whose initial scale comes from the measured gradient range; and a warning with evidence
-    where fp16 would overflow or flush gradients to zero. From the precision section's verdict."""
+    where fp16 would overflow or flush gradients to zero. From the precision section's verdict. A
+    script already under its own autocast is told so, with nothing to save."""
     prec, w = x.summary.get("precision"), x.workload
+    if w is not None and w.script_autocast:
+        title = f"already trains under its own {w.script_autocast} autocast"
+        return [finding("mixed_precision", "info", title, w.script_precision or title, 0, 0.0, "high")]
     if not prec:
         return []
     bf16 = x.target.card.bf16 if x.target and x.target.card else prec.get("bf16_available")

@@ -58,6 +58,9 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         searched = target if choice.margin is None else replace(target, margin=choice.margin)
         made = make_plan(pw, searched, order, avoid=choice.avoided, exclude=choice.excluded)
         plan = {**made.as_dict(), "alternatives": alternatives(pw, searched, made)}
+        # what the plan's precision starts from (its "fp32" keeps a script's own autocast)
+        plan["script_precision"] = w.script_precision
+        plan["script_autocast"] = w.script_autocast
         if choice.round is not None:
             plan["advice"].insert(0, _verified_advice(choice))
         plan["verified_fits"] = choice.verified

@@ -42,8 +42,10 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
     bf16 keeps fp32's exponent range (no loss scaling, no overflow: the precision section's overflow and
     underflow risks are fp16's), and on such a card it is the fastest lever there is. Hand tuning that
     tries every precision change last left bf16's 4x on the table on the H200 (BENCHMARKS.md, the
-    BERT-base b32 s512 scenario). The numerics-preserving alternative stays in the report."""
-    precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
+    BERT-base b32 s512 scenario). The numerics-preserving alternative stays in the report. A script
+    under its own autocast keeps it: "fp32" (add no autocast) is then its precision, and no other is
+    tried (changing the script's own dtype is not memdoctor's call)."""
+    precisions = ["fp32"] + (["bf16"] if target.bf16(w) and w.script_autocast is None else [])
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
@@ -56,8 +58,8 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
 def tier_two(w: Workload, target: Target) -> list[Config]:
     """Only when nothing in tier one fits: fp16 (where the measured ranges make it safe and the card has
     no bf16) and the 8-bit optimizer."""
-    precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
-    if w.precision_verdict == "fp16_safe" and not target.bf16(w):
+    precisions = ["fp32"] + (["bf16"] if target.bf16(w) and w.script_autocast is None else [])
+    if w.precision_verdict == "fp16_safe" and not target.bf16(w) and w.script_autocast is None:
         precisions.append("fp16")
     combos = itertools.product(accumulations(w), precisions, ("as-is", "8bit", "offload"), _free_levers(w))
     return [

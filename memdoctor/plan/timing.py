@@ -27,6 +27,10 @@ AMP_OTHER_TIME_FACTOR = 0.9
 # development machine (a 20M-parameter AdamW step: 239 ms); a GPU host's 16 cores are assumed ~6x that.
 # An assumption, labelled in every prediction; benchmarks/full_offload_llama.py measures it.
 CPU_OPTIMIZER_BYTES_PER_S = 8e9
+# Time: a script with TF32 on (measured by the precision collector) runs its fp32 matmuls on the tensor
+# cores, at this share of the card's 16-bit dense peak (the TF32 rate is half the bf16/fp16 one on the
+# A100, H100/H200 and the Ampere/Ada GeForce datasheets): autocast then gains far less than over fp32.
+TF32_OVER_16BIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def time_model(
     if config.accumulation_steps > 1:
         out["accumulation"] = _accumulation_ms(w, config, assumptions)
         basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
-    if config.precision != "fp32":
+    if w.adds_autocast(config.precision):  # the script's own autocast costs nothing more
         out["autocast"] = _amp_ms(w, config, target, assumptions, basis)
     if config.optimizer == "offload":
         out["offload"] = _transfer_ms(w, w.gradients + w.parameters, target, basis, "offload")
@@ -190,14 +194,23 @@ def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tup
     dtype = "bfloat16" if precision == "bf16" else "float16"
     if found and dtype in found[1] and w.peak_fraction and w.fwd_bwd_ms and w.step_ms:
         key, peaks = found
-        share = min(1.0, w.peak_fraction * w.step_ms / w.fwd_bwd_ms)
-        speedup = peaks[dtype] / peaks["float32"] * AMP_TENSOR_EFFICIENCY
+        base, what = _fp32_matmul_peak(w, peaks, dtype)
+        share = min(1.0, w.peak_fraction * peaks["float32"] / base * w.step_ms / w.fwd_bwd_ms)
+        speedup = peaks[dtype] / base * AMP_TENSOR_EFFICIENCY
         factor = min(1.0, share / max(speedup, 1.0) + (1.0 - share) * AMP_OTHER_TIME_FACTOR)
         return factor, (
-            f"device capabilities: {key} datasheet {dtype} {peaks[dtype] / 1e12:.0f} vs fp32 "
-            f"{peaks['float32'] / 1e12:.0f} TFLOP/s at {AMP_TENSOR_EFFICIENCY:.0%} efficiency, matmul share "
+            f"device capabilities: {key} datasheet {dtype} {peaks[dtype] / 1e12:.0f} vs {what} "
+            f"{base / 1e12:.0f} TFLOP/s at {AMP_TENSOR_EFFICIENCY:.0%} efficiency, matmul share "
             f"{share:.0%} of forward+backward from the measured FLOP rate; the rest x{AMP_OTHER_TIME_FACTOR}"
         )
     factor = AMP_TIME_FACTOR[w.compute_class]
     why = "compute class " + (w.compute_class or "not measured")
     return factor, f"flat factor by {why} (no FLOP count or no datasheet peaks for the device)"
+
+
+def _fp32_matmul_peak(w: Workload, peaks: dict[str, float], dtype: str) -> tuple[float, str]:
+    """The rate the script's fp32 matmuls run at: the fp32 datasheet peak, or with TF32 on (on a card
+    with bf16, i.e. tensor cores that do TF32) ``TF32_OVER_16BIT`` of the 16-bit peak."""
+    if w.script_tf32 and "bfloat16" in peaks:
+        return max(peaks["float32"], peaks[dtype] * TF32_OVER_16BIT), "TF32 (on in the script)"
+    return peaks["float32"], "fp32"

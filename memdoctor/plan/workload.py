@@ -56,7 +56,9 @@ class Workload:
     activations: int  # at the peak
     temporaries: int  # the peak ledger's temporaries: scale with the micro-batch
     fixed: int  # the rest of the peak: workspaces, allocator slack, unattributed
-    amp_share: float  # share of the saved activations that autocast stores in 16 bits
+    # Share of the saved activations that adding autocast would store in 16 bits: those of matmul-type
+    # modules still in fp32 (measured by the precision collector: none where the script autocasts already).
+    amp_share: float
     matmul_param_bytes: int
     step_ms: float | None
     fwd_bwd_ms: float | None
@@ -89,6 +91,17 @@ class Workload:
     # loop's loss; ``analysis.layers.outside_holders``): part of ``activations`` and ``temporaries``, so
     # they scale with the micro-batch; no checkpoint candidate and no parameter offload frees them.
     outside_bytes: int = 0
+    # The autocast the script runs under itself ("bf16", "fp16"; None: none), measured by the precision
+    # collector; ``script_precision`` is its one-line description (None: not measured, fp32 assumed).
+    script_autocast: str | None = None
+    script_precision: str | None = None
+    script_tf32: bool | None = None  # the script's fp32 matmuls may use TF32 (a CUDA run; None: unknown)
+
+    def adds_autocast(self, precision: str) -> bool:
+        """Whether a config's ``precision`` changes the script: autocast where it runs none. Under its
+        own autocast memdoctor adds none (``memdoctor.levers.autocast`` keeps the script's), so no
+        activation, weight-cache or time change is predicted from it."""
+        return precision != "fp32" and self.script_autocast is None
 
 
 def corrected_workload(w: Workload, factor: float) -> Workload:
