@@ -1,0 +1,190 @@
+"""Micro-batching on every common loop shape: gradients after one step equal the unsplit run's (fp32).
+
+In-process (``install`` applied to tiny models and loops written here, then ``remove``): the loss in
+the forward's output as a tuple (last, as minimal GPT trainers return it), a dict, a dataclass and HF's
+``ModelOutput``; the loss computed by the loop, split at the DataLoader (batches of tensors, tuples,
+lists, dicts; an uneven split; LR scheduler and GradScaler deferral); sequence-first batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from memdoctor.capture.loopshape import batch_dim, find_loss, loss_fact
+from memdoctor.errors import ConfigError
+from memdoctor.levers.apply import split_batch
+from memdoctor.levers.install import Installation, install
+
+TOL = 1e-5
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class LikeModelOutput(OrderedDict):  # type: ignore[type-arg]
+    """The shape of HF's ``ModelOutput`` (a dataclass that is also an ordered mapping of its set
+    fields, an item set also setting the attribute), without importing transformers (seconds)."""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__()
+        for k, v in fields.items():
+            self[k] = v
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+class Net(nn.Module):
+    """A tiny classifier whose forward returns its loss in the shape ``kind`` names."""
+
+    def __init__(self, kind: str = "tensor") -> None:
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        logits = self.body(x)
+        if y is None:
+            return logits
+        loss = nn.functional.cross_entropy(logits, y)
+        return _shaped(self.kind, logits, loss)
+
+
+def _shaped(kind: str, logits: torch.Tensor, loss: torch.Tensor) -> Any:
+    if kind == "tuple_last":
+        return logits, loss
+    if kind == "tuple_first":
+        return loss, logits
+    if kind == "dict":
+        return {"logits": logits, "loss": loss}
+    if kind == "dataclass":
+        return Out(logits, loss)
+    if kind == "model_output":
+        return LikeModelOutput(loss=loss, logits=logits)
+    return loss
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want) and got
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=TOL, atol=TOL)
+
+
+def _installed(config: dict[str, Any]) -> tuple[Installation, list[str]]:
+    lines: list[str] = []
+    return install({"memdoctor_config": 1, **config}, say=lines.append), lines
+
+
+def _twin(kind: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    a = Net(kind)
+    b = Net(kind)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+# ----------------------------------------------------------------------------------------- in the forward
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple_last", "tuple_first", "dict", "dataclass", "model_output"])
+def test_in_forward_split_finds_the_loss_and_keeps_the_gradients(kind: str) -> None:
+    ref, model = _twin(kind)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    out = ref(x, y)
+    want_loss = find_loss(out).loss
+    assert want_loss is not None
+    want_loss.backward()
+    inst, lines = _installed({"accumulation_steps": 4})  # 10 / 4: uneven micro-batches
+    try:
+        torch.optim.SGD(model.parameters(), lr=0.1)  # the model is found when its optimizer is built
+        got = model(x, y)
+        loss = find_loss(got).loss
+        assert loss is not None
+        torch.testing.assert_close(loss, want_loss.detach(), rtol=TOL, atol=TOL)
+        loss.backward()
+    finally:
+        inst.remove()
+    assert any("inside Net.forward" in line for line in lines)
+    _close(_grads(model), _grads(ref))
+    if kind != "tensor":  # the other outputs hold the whole batch again
+        logits = got["logits"] if kind in ("dict", "model_output") else getattr(got, "logits", None)
+        logits = logits if logits is not None else got[0 if kind == "tuple_last" else 1]
+        assert logits.shape == (10, 3)
+        torch.testing.assert_close(logits, ref(x), rtol=TOL, atol=TOL)
+
+
+def test_two_unnamed_scalars_are_ambiguous_and_named() -> None:
+    w = torch.ones(1, requires_grad=True)
+    found = find_loss((torch.zeros(3), (w * 2).sum(), (w * 3).sum()))
+    assert found.loss is None and found.ambiguous is not None and "[1], [2]" in found.ambiguous
+    assert loss_fact({"logits": torch.zeros(2, 3)})["in_forward"] is False
+    assert loss_fact({"loss": (w * 2).sum()}) == {"in_forward": True, "at": "['loss']", "why": None}
+
+
+def test_a_forward_without_a_loss_stops_with_one_line() -> None:
+    model = Net("tensor")
+    inst, _ = _installed({"accumulation_steps": 2})
+    try:
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match="accumulation_steps: the model's forward returns no loss"):
+            model(torch.randn(4, 6))
+    finally:
+        inst.remove()
+
+
+# ----------------------------------------------------------------------------------------- batch dimension
+
+
+def test_sequence_first_batches_split_along_the_batch_dimension() -> None:
+    src, tgt, lengths = torch.randn(7, 4, 2), torch.randn(5, 4), torch.arange(4)
+    assert batch_dim((src, tgt)) == 1
+    parts = list(split_batch((src, tgt, lengths), 2, size=4))
+    assert [p[0].shape for p, _ in parts] == [(7, 2, 2), (7, 2, 2)]
+    assert [p[2].tolist() for p, _ in parts] == [[0, 1], [2, 3]]
+    torch.testing.assert_close(torch.cat([p[1] for p, _ in parts], dim=1), tgt)
+    with pytest.raises(ConfigError, match="has no dimension of the batch size"):
+        list(split_batch((src, torch.zeros(28)), 2, size=4))  # a flattened [seq * batch] target
+
+
+class SeqFirst(nn.Module):
+    """An RNN over ``[seq, batch, feature]`` inputs that returns its loss (batch along dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, _ = self.rnn(x)
+        logits = self.head(out[-1])  # [batch, 2]
+        return logits, nn.functional.cross_entropy(logits, y)
+
+
+def test_in_forward_split_of_sequence_first_inputs_keeps_the_gradients() -> None:
+    torch.manual_seed(0)
+    ref, model = SeqFirst(), SeqFirst()
+    model.load_state_dict(ref.state_dict())
+    x, y = torch.randn(9, 6, 3), torch.randint(0, 2, (6,))
+    ref(x, y)[1].backward()
+    inst, _ = _installed({"accumulation_steps": 3, "micro_batch": 2})
+    try:
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x, y)[1].backward()
+    finally:
+        inst.remove()
+    _close(_grads(model), _grads(ref))
