@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -188,3 +187,168 @@ def test_in_forward_split_of_sequence_first_inputs_keeps_the_gradients() -> None
     finally:
         inst.remove()
     _close(_grads(model), _grads(ref))
+
+
+# ----------------------------------------------------------------------------------------- at the DataLoader
+
+
+class Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """20 samples, each shaped as ``kind`` says (the default collate keeps the shape per batch)."""
+
+    def __init__(self, kind: str) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(20, 6, generator=g), torch.randint(0, 3, (20,), generator=g)
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> Any:
+        if self.kind == "tensor":
+            return self.x[i]
+        if self.kind == "dict":
+            return {"x": self.x[i], "y": self.y[i]}
+        return self.x[i], self.y[i]  # collated to a list; "tuple" collates to a tuple (below)
+
+
+def _loader(kind: str) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    collate = None
+    if kind == "tuple":
+
+        def collate(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+
+    return torch.utils.data.DataLoader(Samples(kind), batch_size=10, collate_fn=collate)
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    if isinstance(batch, torch.Tensor):
+        return model(batch).pow(2).mean()
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _train(model: nn.Module, kind: str, zero_first: bool, scaler: bool) -> dict[str, Any]:
+    """A plain loop computing the loss itself: clipping, a StepLR, a GradScaler(enabled=False)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    amp = torch.amp.GradScaler("cpu", enabled=False) if scaler else None
+    steps, iterations, grads = [0], 0, []
+    opt.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+    model.zero_grad()
+    for batch in _loader(kind):
+        iterations += 1
+        if zero_first:
+            opt.zero_grad()
+        loss = _loss(model, batch)
+        (amp.scale(loss) if amp is not None else loss).backward()
+        if amp is not None:
+            amp.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if amp is not None:
+            amp.step(opt)
+            amp.update()
+        else:
+            opt.step()
+        grads = _grads(model) if zero_first else grads
+        sched.step()
+        if not zero_first:
+            opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    return {
+        "steps": steps[0],
+        "iterations": iterations,
+        "lr": sched.get_last_lr(),
+        "params": params,
+        "grads": grads,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "zero_first", "scaler"),
+    [("tensor", True, False), ("tuple", False, True), ("list", True, True), ("dict", False, False)],
+)
+def test_loader_split_keeps_steps_schedule_and_gradients(kind: str, zero_first: bool, scaler: bool) -> None:
+    ref, model = _twin("tensor")
+    want = _train(ref, kind, zero_first, scaler)
+    inst, lines = _installed({"accumulation_steps": 4, "accumulation_split": "loader"})  # 10 / 4: uneven
+    try:
+        got = _train(model, kind, zero_first, scaler)
+        notes = inst.finish()
+    finally:
+        inst.remove()
+    assert any("each training DataLoader batch split into 4" in line for line in lines)
+    assert not any("NOT applied" in n for n in notes)
+    assert got["iterations"] == 8 and want["iterations"] == 2  # the body runs once per micro-batch
+    assert got["steps"] == want["steps"] == 2 and got["lr"] == want["lr"]
+    _close(got["params"], want["params"])
+    if zero_first:
+        _close(got["grads"], want["grads"])
+
+
+def test_loader_split_leaves_evaluation_batches_whole() -> None:
+    model = Net()
+    inst, _ = _installed({"accumulation_steps": 2, "accumulation_split": "loader"})
+    try:
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        model.eval()
+        with torch.no_grad():
+            sizes = [len(b) for b in _loader("tensor")]
+    finally:
+        inst.remove()
+    assert sizes == [10, 10]
+
+
+def test_a_hand_updated_model_stops_the_loader_split_by_name() -> None:
+    model = Net()
+    fails: list[str] = []
+    inst = install(
+        {"memdoctor_config": 1, "accumulation_steps": 2, "accumulation_split": "loader"},
+        say=lambda _: None,
+        fail=fails.append,
+    )
+    try:
+        for batch in _loader("tensor"):
+            model.zero_grad()
+            _loss(model, batch).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+    finally:
+        inst.remove()
+    assert fails and "without a torch.optim optimizer step" in fails[0]
+
+
+# ----------------------------------------------------------------------------------------- the script's knobs
+
+
+def test_script_arguments_are_added_to_the_parse_that_knows_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memdoctor.capture.loopshape import knobs_of
+
+    def parser() -> Any:
+        import argparse
+
+        p = argparse.ArgumentParser()
+        p.add_argument("--batch-size", type=int, default=12)
+        p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+        p.add_argument("--lr", type=float, default=0.1)
+        return p
+
+    monkeypatch.setattr("sys.argv", ["train.py", "--lr", "0.5"])
+    config = {"accumulation_steps": 4, "accumulation_split": "arguments"}
+    args = ["--batch-size", "3", "--gradient_accumulation_steps", "4"]
+    inst, lines = _installed({**config, "script_args": args})
+    try:
+        ns = parser().parse_args()
+        other = __import__("argparse").ArgumentParser()
+        other.add_argument("--lr", type=float)
+        assert other.parse_args(["--lr", "1"]).lr == 1.0  # a parser without the options: untouched
+        notes = inst.finish()
+    finally:
+        inst.remove()
+    assert (ns.batch_size, ns.gradient_accumulation_steps, ns.lr) == (3, 4, 0.5)
+    assert any("--batch-size 3 --gradient_accumulation_steps 4" in line for line in lines)
+    assert not notes
+    knobs = knobs_of(parser(), parser().parse_args([]))
+    assert (knobs.batch_option, knobs.batch_value) == ("--batch-size", 12)
+    assert (knobs.accumulation_option, knobs.accumulation_value) == ("--gradient_accumulation_steps", 1)
