@@ -352,3 +352,94 @@ def test_script_arguments_are_added_to_the_parse_that_knows_them(monkeypatch: py
     knobs = knobs_of(parser(), parser().parse_args([]))
     assert (knobs.batch_option, knobs.batch_value) == ("--batch-size", 12)
     assert (knobs.accumulation_option, knobs.accumulation_value) == ("--gradient_accumulation_steps", 1)
+
+
+# ------------------------------------------------------------------------------------- what profile records
+
+
+def _profiled_loop(collate: Any, own_loss: bool) -> list[dict[str, Any]]:
+    """A loop over a DataLoader under a profiling session, after an argparse parse of its knobs."""
+    import argparse
+
+    from memdoctor.capture.dataloader import DataCollector
+    from memdoctor.capture.session import ProfileSession
+
+    records: list[dict[str, Any]] = []
+    session = ProfileSession(steps=2, warmup=0, sink=records.append, collectors=[DataCollector()])
+    model = Net("tuple_last")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with session:
+        p = argparse.ArgumentParser()
+        p.add_argument("--batch_size", type=int, default=10)
+        p.add_argument("--grad-accum", type=int, default=2)
+        p.parse_args([])
+        loader = torch.utils.data.DataLoader(Samples("list"), batch_size=10, collate_fn=collate)
+        for x, y in loader:
+            if own_loss:
+                loss = model(x, y)[1]
+            else:
+                loss = nn.functional.cross_entropy(model(x.t() if x.shape[0] != 10 else x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if session._done:
+                break
+    return records
+
+
+def _data(records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    facts = [r["data"] for r in records if r["type"] == "collector" and r["name"] == "data"][-1]
+    steps = [r["collectors"]["data"] for r in records if r["type"] == "step" and r.get("collectors")]
+    return facts, [b for s in steps if s for b in s.get("batches", [])]
+
+
+def test_profile_records_the_loop_shape_and_the_measured_batch_dimension() -> None:
+    from types import SimpleNamespace
+
+    from memdoctor.plan.splits import split_of
+
+    def seq_first(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([a for a, _ in items]).t(), torch.stack([b for _, b in items])  # [6, batch]
+
+    facts, batches = _data(_profiled_loop(seq_first, own_loss=False))
+    loop = facts["loop"]
+    assert loop["loss"]["in_forward"] is False and loop["loader"] and loop["torch_optim"]
+    assert loop["knobs"] == {
+        "batch_option": "--batch_size",
+        "batch_value": 10,
+        "accumulation_option": "--grad-accum",
+        "accumulation_value": 2,
+    }
+    assert batches and all((b["batch_size"], b["batch_dim"]) == (10, None) for b in batches)  # [6,10] + [10]
+    assert split_of(SimpleNamespace(collected={"data": facts})).kind == "loader"
+    facts, batches = _data(_profiled_loop(None, own_loss=True))
+    assert facts["loop"]["loss"] == {"in_forward": True, "at": "[1]", "why": None}
+    assert all((b["batch_size"], b["batch_dim"]) == (10, 0) for b in batches)
+    assert split_of(SimpleNamespace(collected={"data": facts})).kind == "forward"
+
+
+def test_the_planner_knows_which_split_applies_before_proposing_it() -> None:
+    from types import SimpleNamespace
+
+    from memdoctor.plan.splits import split_of
+
+    outside = {"in_forward": False, "at": None, "why": "the loop computes it"}
+    knobs = {
+        "batch_option": "--batch_size",
+        "batch_value": 12,
+        "accumulation_option": "--gas",
+        "accumulation_value": 2,
+    }
+
+    def split(loop: dict[str, Any], lookahead: int | None = None) -> Any:
+        return split_of(SimpleNamespace(collected={"data": {"lookahead": lookahead, "loop": loop}}))
+
+    args = split({"loss": outside, "loader": False, "torch_optim": True, "knobs": knobs})
+    assert args.kind == "arguments" and args.script_args(4) == ["--batch_size", "3", "--gas", "8"]
+    assert args.allows(4) and not args.allows(8)
+    none = split({"loss": outside, "loader": False, "torch_optim": False, "knobs": None})
+    assert none.kind is None and not none.allows(2) and none.allows(1)
+    assert none.why_not is not None and "batches do not come from a DataLoader" in none.why_not
+    ahead = split({"loss": outside, "loader": True, "torch_optim": True, "knobs": None}, lookahead=1)
+    assert ahead.kind is None and ahead.why_not is not None and "1 batch(es) ahead" in ahead.why_not
+    assert split_of(SimpleNamespace(collected={})).kind == "forward"  # an older trace: as before

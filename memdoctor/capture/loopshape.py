@@ -219,3 +219,58 @@ class ArgparseWatch:
             return
         if knobs.batch_option is not None:
             self._on_knobs(knobs)
+
+
+# ----------------------------------------------------------------------------------------- the record
+
+
+class LoopFacts:
+    """The ``loop`` entry of the data collector's facts (docs/trace-format.md): where the loss is, whether
+    training batches come from a DataLoader, whether a ``torch.optim`` optimizer steps (a step that can
+    be deferred), and the script's batch-size and accumulation arguments. ``changed`` is called when a
+    fact is first known (the collector emits its facts again)."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        self._changed = changed
+        self.loss: dict[str, Any] | None = None
+        self.loader = False
+        self.torch_optim = False
+        self.knobs: dict[str, Any] | None = None
+        self._undo: list[Undo] = []
+
+    def as_field(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss,
+            "loader": self.loader,
+            "torch_optim": self.torch_optim,
+            "knobs": self.knobs,
+        }
+
+    def start(self) -> None:
+        self._undo = [ArgparseWatch(self._knobs).install()]
+
+    def stop(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def forward_output(self, module: torch.nn.Module, out: Any) -> None:
+        """The trained root's first training forward: where its loss is (``loss_fact``)."""
+        if self.loss is None and module.training and torch.is_grad_enabled():
+            self.loss = loss_fact(out)
+            self._changed()
+
+    def loader_batch(self) -> None:
+        if not self.loader:
+            self.loader = True
+            self._changed()
+
+    def stepped(self) -> None:
+        """A ``torch.optim`` optimizer stepped (the collector's ``on_optimizer``)."""
+        if not self.torch_optim:
+            self.torch_optim = True
+            self._changed()
+
+    def _knobs(self, knobs: Knobs) -> None:
+        if self.knobs is None:
+            self.knobs = knobs.as_field()
+            self._changed()

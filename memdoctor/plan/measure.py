@@ -13,6 +13,7 @@ from memdoctor.analysis.layers import layer_table, repeated_blocks
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders
 from memdoctor.plan.padding import padding_facts
+from memdoctor.plan.splits import split_of
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
 
@@ -42,6 +43,9 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     complete = not summary.get("peak_from_incomplete_step")
     cands = candidates(trace, rows, notes)
     pad, pad_why = padding_facts(trace, summary)
+    split = split_of(trace)
+    if split.why_not:
+        notes.append(split.why_not)
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, rows, notes)
@@ -78,6 +82,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
+        split=split,
     )
 
 
@@ -206,8 +211,12 @@ def _estimated_fwd_bwd(trace: Trace, rows: list[dict[str, Any]], notes: list[str
 
 
 def batch_size(summary: dict[str, Any]) -> int | None:
-    """The batch dimension of the largest measured batch: the first dimension its tensors share."""
+    """The batch size of the largest measured batch: as measured along its batch dimension (not assumed
+    to be dim 0: sequence-first batches), else (older traces) the first dimension its tensors share."""
     largest = (summary.get("data") or {}).get("largest_batch") or {}
+    measured = largest.get("batch_size")
+    if isinstance(measured, int) and measured > 0:
+        return measured
     shapes = [v for v in (largest.get("shapes") or {}).values() if v]
     firsts = {v[0] for v in shapes}
     return firsts.pop() if len(firsts) == 1 and min(firsts) > 0 else None

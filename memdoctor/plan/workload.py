@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memdoctor.plan.padding import Padding
+from memdoctor.plan.splits import AS_BEFORE, Split
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class Workload:
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
     # measured beyond the prediction); 1.0 as profiled.
     memory_correction: float = 1.0
+    # How micro-batching applies to this script (``memdoctor.plan.splits``): in the forward, at the
+    # DataLoader, through its own arguments, or not at all (``split.why_not``).
+    split: Split = AS_BEFORE
 
 
 def corrected_workload(w: Workload, factor: float) -> Workload:
