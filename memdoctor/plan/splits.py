@@ -55,28 +55,34 @@ AS_BEFORE = Split("forward")
 
 def split_of(trace: Trace | Any) -> Split:
     """The split the trace's loop facts allow (module docstring)."""
-    collected = getattr(trace, "collected", None) or {}
-    facts = collected.get("data") if isinstance(collected, dict) else None
-    loop = facts.get("loop") if isinstance(facts, dict) else None
+    facts = _facts(trace)
+    loop = facts.get("loop")
     if not isinstance(loop, dict):
         return AS_BEFORE
     loss = loop.get("loss")
     if not isinstance(loss, dict) or loss.get("in_forward"):
         return AS_BEFORE  # no training forward seen (a run that died first): as before
-    lookahead = facts.get("lookahead") if isinstance(facts, dict) else None
+    lookahead = facts.get("lookahead")
     if loop.get("loader") and loop.get("torch_optim") and not lookahead:
         return Split("loader")
     found = loop.get("knobs")
     knobs: dict[str, Any] = found if isinstance(found, dict) else {}
-    if knobs.get("batch_option") and knobs.get("accumulation_option") and _int(knobs.get("batch_value")):
-        return Split(
-            "arguments",
-            batch_option=str(knobs["batch_option"]),
-            batch_value=_int(knobs.get("batch_value")),
-            accumulation_option=str(knobs["accumulation_option"]),
-            accumulation_value=_int(knobs.get("accumulation_value")) or 1,
-        )
-    return Split(None, _why_not(loss, loop, lookahead, knobs))
+    return _arguments(knobs) or Split(None, _why_not(loss, loop, lookahead, knobs))
+
+
+def _arguments(knobs: dict[str, Any]) -> Split | None:
+    """The ``arguments`` split where the script parses both a batch-size and an accumulation option."""
+    if not (
+        knobs.get("batch_option") and knobs.get("accumulation_option") and _int(knobs.get("batch_value"))
+    ):
+        return None
+    return Split(
+        "arguments",
+        batch_option=str(knobs["batch_option"]),
+        batch_value=_int(knobs.get("batch_value")),
+        accumulation_option=str(knobs["accumulation_option"]),
+        accumulation_value=_int(knobs.get("accumulation_value")) or 1,
+    )
 
 
 def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: dict[str, Any]) -> str:
@@ -96,3 +102,45 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
 
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def reprofile_splits(trace: Trace | Any) -> list[Split]:
+    """The splits a re-profile at a smaller micro-batch can try, best first. A run that died in its
+    first forward never showed where its loss is: then every split its loop allows is tried in turn
+    (the forward's, the DataLoader's, the script's arguments); empty when none can apply."""
+    split = split_of(trace)
+    facts = _facts(trace)
+    loop = facts.get("loop")
+    if not isinstance(loop, dict) or isinstance(loop.get("loss"), dict):
+        return [split] if split.kind is not None else []
+    found: list[Split] = [AS_BEFORE]
+    if loop.get("loader"):
+        found.append(Split("loader"))
+    knobs = loop.get("knobs")
+    arguments = _arguments(knobs) if isinstance(knobs, dict) else None
+    return [*found, arguments] if arguments is not None else found
+
+
+def _facts(trace: Trace | Any) -> dict[str, Any]:
+    collected = getattr(trace, "collected", None) or {}
+    facts = collected.get("data") if isinstance(collected, dict) else None
+    return facts if isinstance(facts, dict) else {}
+
+
+def planned_split(trace: Trace | Any) -> Split:
+    """The split the plan was made with: the one a re-profile used (recorded with its workload: the
+    first run may have died before its loss was seen), else the trace's own (``split_of``)."""
+    collected = getattr(trace, "collected", None) or {}
+    record = collected.get("reprofile") if isinstance(collected, dict) else None
+    workload = record.get("workload") if isinstance(record, dict) else None
+    return split_from_record(workload.get("split") if isinstance(workload, dict) else None) or split_of(trace)
+
+
+def split_from_record(d: Any) -> Split | None:
+    """The ``Split`` of a workload record's ``split`` (``dataclasses.asdict``); None when not one."""
+    if not isinstance(d, dict):
+        return None
+    try:
+        return Split(**d)
+    except TypeError:
+        return None
