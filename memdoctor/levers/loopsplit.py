@@ -11,7 +11,8 @@ runs k times per batch. Then:
 - each user backward of a scalar loss is multiplied by its micro-batch's share of the batch (size /
   batch size; exact for an uneven split too), so the summed gradients are the whole batch's for a loss
   that is a mean over the batch's samples (a sum-reduced loss would come out that share too small);
-- ``optimizer.step`` (each optimizer's own, as an instance method: an LR scheduler rebinds it),
+- ``optimizer.step`` (each optimizer's own, as an instance method, outermost: an LR scheduler rebinds
+  it, memdoctor's optimizer offload wraps it),
   LR-scheduler ``step``, GradScaler ``step``/``unscale_``/``update`` and gradient clipping run only for a
   batch's last micro-batch (clipping earlier ones would clip a partial gradient: there the norm is
   computed and returned, nothing is clipped); earlier calls are no-ops;
@@ -70,6 +71,8 @@ class LoopSplit:
         self._stepped: set[int] = set()  # optimizers that took the current batch's real step
         self._backwards = 0  # user backwards in the current batch
         self._ever_stepped = False
+        self._built: list[weakref.ref[torch.optim.Optimizer]] = []  # optimizers not yet deferred
+        self._wrapped: set[int] = set()
         self.batches = 0
 
     # ------------------------------------------------------------------------------ state
@@ -79,6 +82,7 @@ class LoopSplit:
 
     def _enter(self, part: int, count: int, weight: float) -> None:
         if part == 0:
+            self._wrap_built()
             self._check_stepped()
             self._touched.clear()
             self._stepped.clear()
@@ -172,10 +176,21 @@ class LoopSplit:
 
         def __init__(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             original(opt, *args, **kwargs)
-            if "step" not in vars(opt):  # once per optimizer (a subclass's __init__ calls ours once)
-                split._watch(opt)
+            split._built.append(weakref.ref(opt))
 
         return __init__
+
+    def _wrap_built(self) -> None:
+        """Defer the steps of the optimizers built so far, at a training batch's first micro-batch: by
+        then every wrapper of their ``step`` is in place (an LR scheduler's, memdoctor's optimizer
+        offload, installed when the model is found), and the deferral is outermost, so none of them runs
+        before the batch's last micro-batch."""
+        built, self._built = self._built, []
+        for ref in built:
+            opt = ref()
+            if opt is not None and id(opt) not in self._wrapped:
+                self._wrapped.add(id(opt))
+                self._watch(opt)
 
     def _watch(self, opt: torch.optim.Optimizer) -> None:
         """Defer ``opt``'s step and zero_grad (bound methods: an LR scheduler rebinds ``step``'s
@@ -194,6 +209,8 @@ class LoopSplit:
             if self._part is None or key not in self._touched or key in self._stepped:
                 zero(*args, **kwargs)
 
+        if getattr(step, "_wrapped_by_lr_sched", False):  # the scheduler checks its wrapper is still there
+            deferred_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         self._undo.append(set_attr(opt, "step", types.MethodType(deferred_step, opt)))
         self._undo.append(set_attr(opt, "zero_grad", types.MethodType(deferred_zero, opt)))
 
