@@ -443,3 +443,16 @@ def test_the_planner_knows_which_split_applies_before_proposing_it() -> None:
     ahead = split({"loss": outside, "loader": True, "torch_optim": True, "knobs": None}, lookahead=1)
     assert ahead.kind is None and ahead.why_not is not None and "1 batch(es) ahead" in ahead.why_not
     assert split_of(SimpleNamespace(collected={})).kind == "forward"  # an older trace: as before
+
+
+def test_a_short_last_batch_keeps_the_full_batch_layout() -> None:
+    """Batch 8 of sequences of 6, then a last batch of 6 sequences of 8: split along dim 0 both times."""
+    from memdoctor.capture.loopshape import batch_layout
+
+    size, dims = batch_layout(torch.zeros(8, 6), 8, None)
+    assert (size, dims) == (8, [0])
+    short = torch.arange(48.0).reshape(6, 8)
+    assert batch_layout(short, 8, None) == (8, [1])  # from its shape alone: the wrong dimension
+    assert batch_layout(short, 8, dims) == (6, [0])  # with the full batch's layout: the right one
+    parts = list(split_batch(short, 2, 6, [0]))
+    assert [p.shape for p, _ in parts] == [(3, 8), (3, 8)]

@@ -144,6 +144,23 @@ def batch_dims(batch: Any, size: int) -> list[int | None]:
     return out
 
 
+def batch_layout(
+    batch: Any, expected: int | None, known: list[int | None] | None
+) -> tuple[int | None, list[int | None]]:
+    """The batch's size and each tensor's batch dimension. ``known``: the dimensions found on an
+    earlier, full batch of the same structure, reused where they still agree on one size (an epoch's
+    short last batch whose sequence length happens to equal the full batch size stays split along
+    its batch dimension, not its sequence)."""
+    tensors = tensors_of(batch)
+    if known is not None and len(known) == len(tensors):
+        fits = all(d is None or d < t.dim() for t, d in zip(tensors, known, strict=True))
+        sizes = {t.shape[d] for t, d in zip(tensors, known, strict=True) if fits and d is not None}
+        if fits and len(sizes) == 1:
+            return sizes.pop(), known
+    size = batch_size_of(batch, expected)
+    return size, batch_dims(batch, size) if size is not None else []
+
+
 def batch_dim(batch: Any, expected: int | None = None) -> int | None:
     """The batch dimension the batch's tensors agree on (the trace's ``batch_dim``); None when they
     disagree (a mix of batch-first and sequence-first tensors) or no batch size is found."""

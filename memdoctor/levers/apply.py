@@ -199,7 +199,9 @@ def _allocator(config: PlanConfig) -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = config.allocator
 
 
-def split_batch(batch: Any, parts: int, size: int | None = None) -> Iterator[tuple[Any, float]]:
+def split_batch(
+    batch: Any, parts: int, size: int | None = None, dims: list[int | None] | None = None
+) -> Iterator[tuple[Any, float]]:
     """``(part, weight)`` for ``parts`` slices of ``batch`` along its batch dimension (tensors,
     mappings, sequences).
 
@@ -208,7 +210,8 @@ def split_batch(batch: Any, parts: int, size: int | None = None) -> Iterator[tup
     the size the tensors share), dim 0 where that is it, else the first that is (a sequence-first
     ``[seq, batch]`` tensor along dim 1). A batch with a tensor that has no such dimension (a flattened
     ``[seq * batch]`` target), or that holds no tensor, cannot be split faithfully: ``ConfigError``.
-    Non-tensor leaves (strings, numbers) and 0-d tensors are passed to every part unchanged.
+    Non-tensor leaves (strings, numbers) and 0-d tensors are passed to every part unchanged. ``dims``
+    (with ``size``): each tensor's batch dimension, already measured (``loopshape.batch_layout``).
     """
     if parts <= 1:
         yield batch, 1.0
@@ -220,8 +223,9 @@ def split_batch(batch: Any, parts: int, size: int | None = None) -> Iterator[tup
             "accumulation_steps: cannot split this batch: "
             + ("it holds no tensor" if not shapes else f"its tensors share no batch size ({shapes[:4]})")
         )
-    dims = batch_dims(batch, total)
     shaped = tensors_of(batch)
+    if dims is None or len(dims) != len(shaped):
+        dims = batch_dims(batch, total)
     lost = [tuple(t.shape) for t, d in zip(shaped, dims, strict=True) if d is None and t.dim() > 0]
     if lost:
         raise ConfigError(

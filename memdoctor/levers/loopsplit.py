@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memdoctor.capture.loopshape import batch_size_of
+from memdoctor.capture.loopshape import batch_layout
 from memdoctor.errors import ConfigError
 from memdoctor.levers.apply import split_batch
 from memdoctor.levers.backward import BackwardPatch
@@ -73,6 +73,7 @@ class LoopSplit:
         self._ever_stepped = False
         self._built: list[weakref.ref[torch.optim.Optimizer]] = []  # optimizers not yet deferred
         self._wrapped: set[int] = set()
+        self._layout: list[int | None] | None = None  # each tensor's batch dimension, from the first batch
         self.batches = 0
 
     # ------------------------------------------------------------------------------ state
@@ -161,11 +162,13 @@ class LoopSplit:
         return __next__
 
     def _split(self, batch: Any) -> list[tuple[Any, float]]:
-        size = batch_size_of(batch, self._expected)
+        size, dims = batch_layout(batch, self._expected, self._layout)
         if size is not None and size < self.parts:
             return [(batch, 1.0)]  # an epoch's short last batch: smaller than one split needs
+        if self._layout is None and size is not None:
+            self._layout = dims  # the first batch is a full one: later batches keep its layout
         try:
-            return list(split_batch(batch, self.parts, size))
+            return list(split_batch(batch, self.parts, size, dims))
         except ConfigError as exc:
             self._fail(f"{exc} (memdoctor run splits each DataLoader batch)")
             return [(batch, 1.0)]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memdoctor.capture.loopshape import LossAt, LossPath, batch_dim, batch_size_of, find_loss
+from memdoctor.capture.loopshape import LossAt, LossPath, batch_layout, find_loss
 from memdoctor.errors import ConfigError
 from memdoctor.levers.apply import split_batch
 from memdoctor.levers.backward import BackwardPatch
@@ -118,6 +118,7 @@ class MicroBatching:
         self._noted_outputs = False
         self.splits = 0
         self._dim = 0  # the batch dimension of the last split (outputs are joined along it)
+        self._layout: list[int | None] | None = None  # each input tensor's batch dimension (first batch)
 
     def install(self, model: nn.Module) -> Undo:
         self.model = model
@@ -136,16 +137,18 @@ class MicroBatching:
             return inner(*args, **kwargs)  # evaluation: nothing to accumulate
         self._never_backpropagated()
         expected = self._expected_micro * self.parts if self._expected_micro else None
-        size = batch_size_of((args, kwargs), expected)
+        size, dims = batch_layout((args, kwargs), expected, self._layout)
         if size is not None and size < self.parts:
             return inner(*args, **kwargs)  # an epoch's short last batch: smaller than one split needs
         try:
-            parts = list(split_batch((args, kwargs), self.parts, size))
+            parts = list(split_batch((args, kwargs), self.parts, size, dims))
         except ConfigError as exc:
             self._fail(f"{exc} (memdoctor run splits the model's inputs)")
             return inner(*args, **kwargs)
         assert size is not None  # split_batch refuses a batch without a size
-        self._dim = batch_dim((args, kwargs), size) or 0
+        self._layout = self._layout or dims  # the first batch is a full one: later ones keep its layout
+        agreed = {d for d in dims if d is not None}
+        self._dim = agreed.pop() if len(agreed) == 1 else 0
         if kwargs.get("num_items_in_batch") is not None:
             # HF's loss over a count given by the caller: each micro-batch's loss is already its share
             parts = [(part, 1.0) for part, _ in parts]
