@@ -355,3 +355,24 @@ def test_no_reprofile_where_no_split_applies_and_the_record_says_why(tmp_path: P
     assert (
         "no safe micro-batch split" in record["stopped"] and "not come from a DataLoader" in record["stopped"]
     )
+
+
+def test_the_planner_proposes_micro_batching_only_where_a_split_applies() -> None:
+    from memdoctor.plan.tiers import accumulations
+
+    outside = {"in_forward": False, "at": None, "why": "the loop computes it"}
+    trace = _with_loop(
+        load_trace(GPT2_B8), {"loss": outside, "loader": False, "torch_optim": True, "knobs": None}
+    )
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind is None and accumulations(w) == [1]
+    assert any(n.startswith("no safe micro-batch split: the loop computes it") for n in w.notes)
+    trace = _with_loop(
+        load_trace(GPT2_B8), {"loss": outside, "loader": True, "torch_optim": True, "knobs": None}
+    )
+    assert trace.collected["data"]["lookahead"] == 1  # the HF Trainer reads one batch ahead
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind is None and "1 batch(es) ahead" in (w.split.why_not or "")
+    trace.collected["data"]["lookahead"] = 0
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind == "loader" and accumulations(w) == [1, 2, 4, 8]
