@@ -1,7 +1,8 @@
 """Micro-batching with gradient accumulation inside the model's forward.
 
 Where the split happens, and why there: the script's loop must keep its iterations, its optimizer steps
-and its LR schedule, so the batch is split inside the root model's forward, not in the loader. The
+and its LR schedule, so the batch is split inside the root model's forward, not in the loader, along
+its measured batch dimension (``memdoctor.levers.apply.split_batch``). The
 forward runs micro-batches 1..k-1 *and their backward* there (freeing their activations), then runs
 micro-batch k and returns its output, whose ``loss`` is the full batch's (the size-weighted mean of the
 micro-batch losses). The gradients of micro-batches 1..k-1 wait in ``.grad`` (or aside, see
@@ -11,8 +12,12 @@ used it, and they are multiplied by it before micro-batch k's gradients are accu
 the sum is the chain rule's for the whole batch: ``loss.backward()``, ``(loss / n).backward()`` and
 ``accelerator.backward(loss)`` all get the gradients of the unsplit batch.
 
-Needs: a model that computes its own loss (HF-style ``labels`` -> ``output.loss``; or a forward that
-returns the loss), a mean-reduced loss over samples (weights are each micro-batch's share of the
+Needs: a model that computes its own loss, found wherever its output holds it
+(``memdoctor.capture.loopshape.find_loss``: the output itself, a tuple's element such as a minimal GPT
+trainer's ``(logits, loss)``, a ``loss`` key or attribute of a dict, dataclass or HF ``ModelOutput``;
+the other outputs are joined back along the batch dimension, ``memdoctor.levers.outputs``; a loop that
+computes the loss itself is split at the DataLoader instead, ``memdoctor.levers.loopsplit``), a
+mean-reduced loss over samples (weights are each micro-batch's share of the
 samples; a loss divided by a count the caller passes, HF's ``num_items_in_batch``, is summed as is),
 and a script that backpropagates that loss. Otherwise the run stops with a line naming
 ``accumulation_steps``: a part of the plan is never silently dropped.
