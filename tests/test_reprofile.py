@@ -369,3 +369,60 @@ def test_profile_reprofiles_end_to_end(
     assert main([*argv[:-3], "--reprofile", "0", "-o", "out2", "loop.py"]) == exitcodes.OUT_OF_MEMORY
     assert json.loads((tmp_path / "out2" / "summary.json").read_text())["reprofile"] is None
     assert not (tmp_path / "out2" / "reprofile").exists()
+
+
+# ----------------------------------------------------------------------------------------- which split
+
+
+def _with_loop(trace: Trace, loop: dict[str, Any]) -> Trace:
+    trace.collected["data"] = {**(trace.collected.get("data") or {}), "loop": loop}
+    return trace
+
+
+def test_a_split_that_does_not_apply_gives_way_to_the_next_at_the_same_micro_batch(
+    gpt2_b8: tuple[Trace, dict[str, Any]], tmp_path: Path
+) -> None:
+    trace, summary = _first()
+    _with_loop(
+        trace, {"loss": None, "loader": True, "torch_optim": False, "knobs": None}
+    )  # died before its loss
+    runner = FakeRunner([(exitcodes.USAGE_ERROR, load_trace(GPT2_OOM)), (exitcodes.OK, gpt2_b8[0])])
+    record = reprofile(trace, summary, _request(tmp_path), runner, lambda _: None, max_rounds=3)
+    first, second = (r.config or {} for r in runner.requests)
+    assert first["accumulation_split"] == "forward" and second["accumulation_split"] == "loader"
+    assert first["accumulation_steps"] == second["accumulation_steps"] == 2
+    assert record["used_round"] == 2 and [r["split"] for r in record["rounds"]] == ["forward", "loader"]
+    assert from_record(record["workload"]).split.kind == "loader"
+
+
+def test_no_reprofile_where_no_split_applies_and_the_record_says_why(tmp_path: Path) -> None:
+    trace, summary = _first()
+    outside = {"in_forward": False, "at": None, "why": "the loop computes it"}
+    _with_loop(trace, {"loss": outside, "loader": False, "torch_optim": True, "knobs": None})
+    runner = FakeRunner([])
+    record = reprofile(trace, summary, _request(tmp_path), runner, lambda _: None, max_rounds=3)
+    assert runner.requests == [] and record["rounds"] == []
+    assert (
+        "no safe micro-batch split" in record["stopped"] and "not come from a DataLoader" in record["stopped"]
+    )
+
+
+def test_the_planner_proposes_micro_batching_only_where_a_split_applies() -> None:
+    from memdoctor.plan.tiers import accumulations
+
+    outside = {"in_forward": False, "at": None, "why": "the loop computes it"}
+    trace = _with_loop(
+        load_trace(GPT2_B8), {"loss": outside, "loader": False, "torch_optim": True, "knobs": None}
+    )
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind is None and accumulations(w) == [1]
+    assert any(n.startswith("no safe micro-batch split: the loop computes it") for n in w.notes)
+    trace = _with_loop(
+        load_trace(GPT2_B8), {"loss": outside, "loader": True, "torch_optim": True, "knobs": None}
+    )
+    assert trace.collected["data"]["lookahead"] == 1  # the HF Trainer reads one batch ahead
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind is None and "1 batch(es) ahead" in (w.split.why_not or "")
+    trace.collected["data"]["lookahead"] = 0
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind == "loader" and accumulations(w) == [1, 2, 4, 8]

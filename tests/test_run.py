@@ -351,3 +351,20 @@ def test_profile_with_a_config_that_cannot_apply_ends_as_config_error(tmp_path: 
     assert "memdoctor: error: config names modules this model lacks: 'encoder.layer.0'" in proc.stderr
     trace = load_trace(tmp_path / "report" / "trace.jsonl.gz")
     assert trace.end is not None and trace.end["status"] == "config_error"
+
+
+def test_a_loop_computing_its_loss_is_split_at_the_loader_with_its_schedule_kept(out: Path) -> None:
+    """``--own-loss``: the loop computes the loss; the DataLoader split runs its body twice per batch."""
+    base_args = ["--steps", "3", "--own-loss", "--clip", "0.5", "--out"]
+    run_script(PLAIN, [*base_args, str(out / "base.json")])
+    config = {"accumulation_steps": 2, "accumulation_split": "loader"}
+    lines = run_script(PLAIN, [*base_args, str(out / "run.json")], config)
+    assert any(
+        line.startswith("micro-batching: each training DataLoader batch split into 2") for line in lines
+    )
+    base, run = json.loads((out / "base.json").read_text()), json.loads((out / "run.json").read_text())
+    assert run["steps"] == 2 * base["steps"] == 6  # the body runs per micro-batch
+    assert run["lrs"][1::2] == base["lrs"]  # the scheduler steps once per batch, as the script's
+    assert run["lrs"][0::2] == [1e-2, *base["lrs"][:-1]]  # deferred: unchanged mid-batch
+    whole = [(a + b) / 2 for a, b in zip(run["losses"][0::2], run["losses"][1::2], strict=True)]
+    assert max(abs(a - b) for a, b in zip(whole, base["losses"], strict=True)) < 1e-5  # same parameters

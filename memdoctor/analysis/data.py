@@ -201,6 +201,8 @@ def largest_batch(batches: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] |
         "elements": _nonneg_int(b.get("elements")),
         "tokens": _nonneg_int(b.get("tokens")),
         "real_tokens": _nonneg_int(b.get("real_tokens")),
+        "batch_size": _nonneg_int(b.get("batch_size")),
+        "batch_dim": _nonneg_int(b.get("batch_dim")),
     }
 
 

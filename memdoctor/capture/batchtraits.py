@@ -47,6 +47,8 @@ class BatchTraits:
     lengths_from: str | None = None
     truncated: bool = False  # a limit (MAX_TENSORS, MAX_NODES) cut the walk: shapes lists the first ones
     fetched_step: int | None = None
+    batch_size: int | None = None  # measured: the size the tensors share along their batch dimension
+    batch_dim: int | None = None  # that dimension, where every tensor agrees on it (1: sequence-first)
 
     def real_lengths(self) -> list[int] | None:
         """The lengths as ints (reads a device tensor back: call it from ``step_field`` only)."""
@@ -62,6 +64,9 @@ class BatchTraits:
             out["shapes_truncated"] = True
         if self.fetched_step is not None and self.fetched_step != step:
             out["fetched_step"] = self.fetched_step
+        if self.batch_size is not None:
+            out["batch_size"] = self.batch_size
+            out["batch_dim"] = self.batch_dim
         if self.tokens is None:
             return out
         out["tokens"] = self.tokens

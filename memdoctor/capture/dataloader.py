@@ -40,6 +40,7 @@ import torch
 from memdoctor import patching
 from memdoctor.capture.batchtraits import BatchTraits, batch_traits, call_traits
 from memdoctor.capture.collectors import Collector
+from memdoctor.capture.loopshape import LoopFacts, batch_dim, batch_size_of
 from memdoctor.device import Device
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class DataCollector(Collector):
         self._pad_id: int | None = None
         self._hooks: list[Any] = []
         self._nvtx = _nvtx_range()
+        self._loop = LoopFacts(self._emit_facts)
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self, session: ProfileSession) -> None:
@@ -97,10 +99,12 @@ class DataCollector(Collector):
         self._thread = threading.get_ident()
         self._active = True
         self._patch()
+        self._loop.start()
         self._emit_facts()
 
     def stop(self) -> None:
         self._active = False
+        self._loop.stop()
         if self._patched is not None:
             self._patched()  # restores only if still ours; else someone wrapped ours: it passes through
             self._patched = None
@@ -131,6 +135,7 @@ class DataCollector(Collector):
                 "pad_token_id": self._pad_id,
                 "nvtx": self._nvtx is not None,
                 "failure": self._failure,
+                "loop": self._loop.as_field(),
             },
         )
 
@@ -167,7 +172,7 @@ class DataCollector(Collector):
         finally:
             wait = time.perf_counter() - t0
             m1 = self._edge(1)
-            self._safely(self._record, step, wait, (m0, m1), batch, end)
+            self._safely(self._record, step, wait, (m0, m1), batch, end, it)
 
     def _edge(self, which: int) -> Any:
         """Open (0) or close (1) a fetch: the NVTX range, and a device marker (None on a CPU)."""
@@ -187,7 +192,9 @@ class DataCollector(Collector):
         except Exception as exc:  # never into the script's loop
             self._fail(exc)
 
-    def _record(self, step: int, wait: float, markers: tuple[Any, Any], batch: Any, end: bool) -> None:
+    def _record(
+        self, step: int, wait: float, markers: tuple[Any, Any], batch: Any, end: bool, it: Any = None
+    ) -> None:
         fig = self._figures(step)
         fig.wait_s += wait
         fig.max_wait_s = max(fig.max_wait_s, wait)
@@ -197,7 +204,10 @@ class DataCollector(Collector):
             fig.fetches += 1
             traits = batch_traits(batch, self._pad_id)
             traits.fetched_step = step
+            _batch_axis(traits, batch, _loader_batch_size(it))
             self._loader_tensors = self._loader_tensors or bool(traits.shapes)
+            if traits.shapes and torch.is_grad_enabled():
+                self._loop.loader_batch()
             self._pending.append(traits)
             self._hand_over(step, self._lookahead)
         if end:
@@ -233,6 +243,7 @@ class DataCollector(Collector):
 
     # ------------------------------------------------------------------------------ session hooks
     def on_optimizer(self, step: int) -> None:
+        self._loop.stepped()
         if self._lookahead is not None or not self._active:
             return
         consumed = self._session.micro_batches() if self._session is not None else 0
@@ -248,6 +259,12 @@ class DataCollector(Collector):
                 self._emit_facts()
         if hasattr(root, "register_forward_pre_hook"):
             self._hooks.append(root.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
+            self._hooks.append(root.register_forward_hook(self._forward_post))
+
+    def _forward_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        """Where the trained model's loss is, from its first training forward (``LoopFacts``)."""
+        if self._active:
+            self._safely(self._loop.forward_output, module, out)
 
     def _forward_pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
@@ -259,6 +276,7 @@ class DataCollector(Collector):
             return
         try:
             traits = call_traits(args, kwargs or {}, self._pad_id)
+            _batch_axis(traits, (args, kwargs or {}), None)
             if traits.shapes and self._session is not None:
                 self._take(self._session.current_step(), traits, "forward")
         except Exception as exc:
@@ -313,6 +331,19 @@ def _fetch_wrapper(collector: DataCollector, original: Any) -> Any:
         return collector.fetch(original, it)
 
     return __next__
+
+
+def _loader_batch_size(it: Any) -> int | None:
+    """The batch size a DataLoader iterator collates (its batch sampler's; torch names it only on the
+    private ``_index_sampler``), None when not batching or not known."""
+    size = getattr(getattr(it, "_index_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _batch_axis(traits: BatchTraits, batch: Any, expected: int | None) -> None:
+    """The batch's size and batch dimension, measured (``memdoctor.capture.loopshape``)."""
+    traits.batch_size = batch_size_of(batch, expected)
+    traits.batch_dim = batch_dim(batch, traits.batch_size)
 
 
 def _ms(seconds: float) -> float:

@@ -30,6 +30,10 @@ CONFIG_FILENAME = "memdoctor.yaml"
 MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KiB; refuse anything that could exhaust memory
 
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
+# Where micro-batching splits the batch (docs/config.md): inside the model's forward (which returns the
+# loss), at the DataLoader (the loop computes the loss), or through the script's own batch-size and
+# accumulation arguments (``script_args``).
+ACCUMULATION_SPLITS = ("forward", "loader", "arguments")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class PlanConfig:
     grad_scaler: GradScalerSettings | None = None
     micro_batch: int | None = None
     accumulation_steps: int = 1
+    accumulation_split: str | None = None  # one of ACCUMULATION_SPLITS; None: "forward"
+    script_args: tuple[str, ...] = ()  # with "arguments": the options memdoctor run adds to the script's
     optimizer: str = "as-is"
     padding: str = "as-is"
     pad_to_multiple_of: int | None = None  # with padding "trim": round each batch's length up to this
@@ -93,6 +99,7 @@ class PlanConfig:
         d = dataclasses.asdict(self)
         d["checkpoint"] = list(self.checkpoint)
         d["offload_parameters"] = list(self.offload_parameters)
+        d["script_args"] = list(self.script_args)
         return {"memdoctor_config": CONFIG_VERSION, **d}
 
 
@@ -155,6 +162,8 @@ _TOP = (
     "grad_scaler",
     "micro_batch",
     "accumulation_steps",
+    "accumulation_split",
+    "script_args",
     "optimizer",
     "padding",
     "pad_to_multiple_of",
@@ -195,6 +204,10 @@ def config_from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
         grad_scaler=scaler,
         micro_batch=None if micro is None else _int(micro, "micro_batch", src, minimum=1),
         accumulation_steps=_int(doc.get("accumulation_steps", 1), "accumulation_steps", src, minimum=1),
+        accumulation_split=_opt_choice(
+            doc.get("accumulation_split"), "accumulation_split", ACCUMULATION_SPLITS, src
+        ),
+        script_args=_strings(doc.get("script_args"), "script_args", src),
         optimizer=_choice(doc.get("optimizer", "as-is"), "optimizer", OPTIMIZERS, src),
         padding=_choice(doc.get("padding", "as-is"), "padding", PADDING_POLICIES, src),
         pad_to_multiple_of=None if multiple is None else _int(multiple, "pad_to_multiple_of", src, minimum=1),
@@ -229,6 +242,14 @@ def _names(value: Any, name: str, src: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(f"{src}: {name} names a module twice")
     return tuple(names)
+
+
+def _strings(value: Any, name: str, src: str) -> tuple[str, ...]:
+    """A list of strings (empty when absent)."""
+    items = value or []
+    if not isinstance(items, list) or not all(isinstance(n, str) for n in items):
+        raise ConfigError(f"{src}: {name} must be a list of strings")
+    return tuple(items)
 
 
 def _scaler(value: Any, src: str) -> GradScalerSettings | None:

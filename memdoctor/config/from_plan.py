@@ -13,6 +13,7 @@ from typing import Any
 
 from memdoctor.config.file import GradScalerSettings, PlanConfig, Provenance
 from memdoctor.plan.config import Config, config_from_dict
+from memdoctor.plan.splits import planned_split
 
 
 def file_levers(levers: Config) -> dict[str, Any]:
@@ -41,8 +42,13 @@ def from_plan(
     model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
     micro = batch_size // k if batch_size and batch_size % k == 0 else None
     ratio = plan.get("predicted_step_time_ratio")
+    split = (
+        planned_split(trace) if k > 1 else None
+    )  # how memdoctor run splits (the planner checked it applies)
     return PlanConfig(
         **file_levers(levers),
+        accumulation_split=split.kind if split is not None else None,
+        script_args=tuple(split.script_args(k)) if split is not None else (),
         grad_scaler=_plan_scaler(plan) if levers.precision == "fp16" else None,
         micro_batch=micro,
         provenance=Provenance(

@@ -4,10 +4,15 @@ Why and what the planner does with it: ``memdoctor.plan.reprofiled``. This modul
 the same script, arguments, budget and warm-up, one profiled step, with only gradient accumulation
 applied (``PlanConfig(micro_batch=B/k, accumulation_steps=k)``, through ``memdoctor run``'s own
 micro-batching), for k = 2, 4, 8, ... until a run's ledger has every module (for a run that died
-after every module had run: until a step completes). Each run writes into its own folder inside
-the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first run's files. The
-result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the FIRST trace;
-its ``workload`` is what the plan (and ``--verify``) then plan from.
+after every module had run: until a step completes). The batch is split the way
+the script allows (``memdoctor.plan.splits.reprofile_splits``): inside the forward when it returns the
+loss, at the DataLoader when the loop computes it, or through the script's own batch-size and
+accumulation arguments; a run that died before its loss was seen tries them in that order (a split
+that does not apply stops its round at once, with a config error). Where none applies, no re-profile
+runs and the record says why. Each run writes into its
+own folder inside the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first
+run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the
+FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
 
 The profile runner is a parameter, so the loop is testable without a child process.
 """
@@ -24,6 +29,7 @@ from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, S
 from memdoctor.outputs import round_folder
 from memdoctor.plan.measure import batch_size
 from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
+from memdoctor.plan.splits import Split, reprofile_splits, split_of
 from memdoctor.plan.summarize import summary_target
 from memdoctor.trace import Trace, read_trace
 from memdoctor.units import first_names
@@ -80,19 +86,29 @@ def reprofile(
         "stopped": None,
     }
     say(f"reprofile: {why(trace) or 'the run ran out of memory'}")
-    before = len(missing)
-    for n in range(1, max_rounds + 1):
-        k = 2**n
+    splits = reprofile_splits(trace)
+    if not splits:
+        record["stopped"] = split_of(trace).why_not or "no micro-batch split applies to this script"
+        say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
+        return record
+    before, n, k = len(missing), 0, 2
+    finish = not before  # a run that died after every module ran: planned from a round whose step completed
+    while n < max_rounds:
+        n += 1
         if batch is not None and k > batch:
             record["stopped"] = f"a micro-batch of 1 (of {batch}) still did not measure every module"
             break
-        # A run that died after every module ran is planned from a round whose step completed.
-        r, w = _one(n, k, batch, request, run, say, target.budget_bytes if target else None, not before)
+        budget = target.budget_bytes if target else None
+        r, w = _one(n, k, batch, request, run, say, budget, splits[0], finish)
         record["rounds"].append(r)
         if w is not None:
             record.update(used_round=n, accumulation_steps=k, workload=as_record(w))
             say(f"reprofile: planning from micro-batch 1/{k}, scaled back to the full batch")
             return record
+        if r["exit_code"] == exitcodes.USAGE_ERROR and len(splits) > 1:
+            say(f"reprofile {n}: the {splits[0].kind} split does not apply ({r['message']}); trying the next")
+            splits.pop(0)
+            continue  # the same micro-batch, split another way
         if r["exit_code"] not in (exitcodes.OK, exitcodes.OUT_OF_MEMORY):
             record["stopped"] = f"the re-profiled run failed ({r['status']}: {r['message']})"
             break
@@ -104,7 +120,7 @@ def reprofile(
                 "shrink with the batch"
             )
             break
-        before = left
+        before, k = left, k * 2
     else:
         record["stopped"] = f"no re-profile measured every module in {max_rounds} rounds (--reprofile)"
     say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
@@ -119,15 +135,22 @@ def _one(
     run: Runner,
     say: Say,
     oom_budget: int | None,
+    split: Split,
     finish: bool,
 ) -> tuple[dict[str, Any], Any]:
-    """Round ``n`` at micro-batch 1/``k``: its record, and its full-batch workload when it measured
-    every module, and with ``finish`` its step completed too (else None)."""
+    """Round ``n`` at micro-batch 1/``k``, split as ``split`` says (``memdoctor.plan.splits``): its
+    record, and its full-batch workload when it measured every module, and with ``finish`` its step
+    completed too (else None)."""
     micro = batch // k if batch and batch % k == 0 else None
     size = f"{micro} of {batch}" if micro else f"1/{k} of the batch"
-    say(f"reprofile {n}: profiling at micro-batch {size} (gradient accumulation {k}) ...")
+    say(f"reprofile {n}: profiling at micro-batch {size} (gradient accumulation {k}, split {split.kind}) ...")
     out = round_folder(request.out_dir, "reprofile", n)
-    config = PlanConfig(micro_batch=micro, accumulation_steps=k)
+    config = PlanConfig(
+        micro_batch=micro,
+        accumulation_steps=k,
+        accumulation_split=split.kind,
+        script_args=tuple(split.script_args(k)),
+    )
     result = run(dataclasses.replace(request, out_dir=out, steps=1, config=config.as_dict()))
     trace = read_trace(result.trace_path)
     missing = unmeasured_modules(trace) if trace is not None else None
@@ -137,10 +160,12 @@ def _one(
         measured = result.exit_code == exitcodes.OK
     if measured and trace is not None and result.summary is not None and missing == []:
         w = reprofile_workload(trace, result.summary, k, batch, oom_budget)
+        w = None if w is None else dataclasses.replace(w, split=split)  # the split that measured it
     r = {
         "round": n,
         "accumulation_steps": k,
         "micro_batch": micro,
+        "split": split.kind,
         "trace": f"{out.name}/{result.trace_path.name if result.trace_path else 'trace.jsonl.gz'}",
         "status": result.status,
         "exit_code": result.exit_code,

@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from memdoctor.capture.loopshape import batch_dims, batch_size_of, tensors_of
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.errors import ConfigError
 from memdoctor.patching import wrap_forward
@@ -215,51 +216,60 @@ def _allocator(config: PlanConfig) -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = config.allocator
 
 
-def split_batch(batch: Any, parts: int) -> Iterator[tuple[Any, float]]:
-    """``(part, weight)`` for ``parts`` slices of ``batch`` along dim 0 (tensors, mappings, sequences).
+def split_batch(
+    batch: Any, parts: int, size: int | None = None, dims: list[int | None] | None = None
+) -> Iterator[tuple[Any, float]]:
+    """``(part, weight)`` for ``parts`` slices of ``batch`` along its batch dimension (tensors,
+    mappings, sequences).
 
-    A batch whose tensors disagree on dim 0, or that holds no tensor, cannot be split faithfully:
-    ``ConfigError``. Non-tensor leaves (strings, numbers) are passed to every part unchanged.
+    The batch dimension is measured, not assumed to be 0 (``memdoctor.capture.loopshape``): each tensor
+    is sliced along its dimension of the batch's size (``size`` when given: the planned batch; else
+    the size the tensors share), dim 0 where that is it, else the first that is (a sequence-first
+    ``[seq, batch]`` tensor along dim 1). A batch with a tensor that has no such dimension (a flattened
+    ``[seq * batch]`` target), or that holds no tensor, cannot be split faithfully: ``ConfigError``.
+    Non-tensor leaves (strings, numbers) and 0-d tensors are passed to every part unchanged. ``dims``
+    (with ``size``): each tensor's batch dimension, already measured (``loopshape.batch_layout``).
     """
     if parts <= 1:
         yield batch, 1.0
         return
-    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
-    if len(sizes) != 1:
+    total = batch_size_of(batch, size)
+    if total is None:
+        shapes = sorted({tuple(t.shape) for t in tensors_of(batch) if t.dim() > 0})
         raise ConfigError(
             "accumulation_steps: cannot split this batch: "
-            + ("it holds no tensor" if not sizes else f"its tensors differ in dim 0 ({sorted(sizes)})")
+            + ("it holds no tensor" if not shapes else f"its tensors share no batch size ({shapes[:4]})")
         )
-    total = sizes.pop()
+    shaped = tensors_of(batch)
+    if dims is None or len(dims) != len(shaped):
+        dims = batch_dims(batch, total)
+    lost = [tuple(t.shape) for t, d in zip(shaped, dims, strict=True) if d is None and t.dim() > 0]
+    if lost:
+        raise ConfigError(
+            f"accumulation_steps: cannot split this batch of {total}: a tensor of shape {list(lost[0])} "
+            "has no dimension of the batch size"
+        )
     if total < parts:
         raise ConfigError(
             f"accumulation_steps: a batch of {total} cannot be split into {parts} micro-batches"
         )
     bounds = [i * total // parts for i in range(parts + 1)]
     for lo, hi in itertools.pairwise(bounds):
-        yield _slice(batch, lo, hi), (hi - lo) / total
+        yield _slice(batch, iter(dims), lo, hi), (hi - lo) / total
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+def _slice(batch: Any, dims: Iterator[int | None], lo: int, hi: int) -> Any:
+    """``batch`` with each tensor sliced [lo:hi] along its dimension from ``dims`` (``tensors_of``
+    order, so the same walk)."""
     if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        for v in batch:
-            yield from _tensors(v)
-
-
-def _slice(batch: Any, lo: int, hi: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[lo:hi] if batch.dim() > 0 else batch
+        d = next(dims)
+        return batch if d is None else batch.narrow(d, lo, hi - lo)
     if isinstance(batch, Mapping):
-        return type(batch)({k: _slice(v, lo, hi) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)({k: _slice(v, dims, lo, hi) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_slice(v, lo, hi) for v in batch))
+        return type(batch)(*(_slice(v, dims, lo, hi) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(v, lo, hi) for v in batch)
+        return type(batch)(_slice(v, dims, lo, hi) for v in batch)
     return batch
 
 

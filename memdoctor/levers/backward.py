@@ -20,10 +20,12 @@ Scale = Callable[[torch.Tensor], torch.Tensor]
 
 
 class BackwardPatch:
-    """``scale`` (fp16 loss scaling) is applied to the user's scalar loss; ``after`` callbacks run when
-    the user's backward has finished (micro-batching adds its deferred gradients there)."""
+    """``share`` (a loop split's micro-batch weight, ``memdoctor.levers.loopsplit``), then ``scale``
+    (fp16 loss scaling), are applied to the user's scalar loss; ``after`` callbacks run when the user's
+    backward has finished (micro-batching adds its deferred gradients there)."""
 
     def __init__(self) -> None:
+        self.share: Scale | None = None
         self.scale: Scale | None = None
         self.after: list[Callable[[], None]] = []
         self.raw: Callable[..., Any] = torch.autograd.backward
@@ -35,6 +37,8 @@ class BackwardPatch:
 
     def _backward(self, tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
         user = self._depth == 0 and grad_tensors is None and _scalar(tensors)
+        if user and self.share is not None:
+            tensors = self.share(tensors if isinstance(tensors, torch.Tensor) else tensors[0])
         if user and self.scale is not None:
             tensors = self.scale(tensors if isinstance(tensors, torch.Tensor) else tensors[0])
         self._depth += 1

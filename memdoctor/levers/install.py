@@ -29,10 +29,12 @@ from memdoctor.levers.autocast import LossScaling, autocast_forward
 from memdoctor.levers.backward import BackwardPatch
 from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
+from memdoctor.levers.loopsplit import LoopSplit
 from memdoctor.levers.microbatch import MicroBatching
 from memdoctor.levers.offload import install_offload
 from memdoctor.levers.offload_full import FullOffload, class_name, model_for, not_sharded
 from memdoctor.levers.padding import PaddingTrim
+from memdoctor.levers.scriptargs import ScriptArguments
 from memdoctor.levers.targets import ModelWatch, optimizers_of
 from memdoctor.patching import Undo, wrap_forward
 from memdoctor.units import first_names
@@ -63,6 +65,7 @@ class Installation:
     _undo: list[Undo] = field(default_factory=list)
     _loader: LoaderSettings | None = None
     _padding: PaddingTrim | None = None
+    _split: LoopSplit | ScriptArguments | None = None  # micro-batching outside the forward
     _first: nn.Module | None = None  # a root passed over for another model class
     _full: FullOffload | None = None
 
@@ -91,6 +94,16 @@ class Installation:
             notes.append(self._loader.summary())
         if self._padding is not None:
             notes.append(self._padding.summary())
+        split = self._split
+        if isinstance(split, ScriptArguments) and not split.applied:
+            notes.append(
+                "NOT applied: accumulation_steps: no argparse parser of the script knows "
+                + " ".join(split.options)
+            )
+        if isinstance(split, LoopSplit) and not split.batches:
+            notes.append(
+                "NOT applied: accumulation_steps: the script trained on no DataLoader batch to split"
+            )
         for note in notes:
             self.say(note)
         return notes
@@ -98,7 +111,8 @@ class Installation:
     def _needs_model(self) -> bool:
         c = self.config
         offload = bool(c.offload_parameters) or c.optimizer == "offload" or c.full_offload
-        return bool(c.checkpoint) or c.precision != "fp32" or c.accumulation_steps > 1 or offload
+        in_forward = c.accumulation_steps > 1 and c.accumulation_split in (None, "forward")
+        return bool(c.checkpoint) or c.precision != "fp32" or in_forward or offload
 
     # ------------------------------------------------------------------ when the model is found
 
@@ -151,7 +165,7 @@ class Installation:
                 )
         precision = c.precision != "fp32" and self.ours("precision")
         scaling = self._precision(root) if precision else None
-        accumulation = c.accumulation_steps > 1 and self.ours("accumulation")
+        accumulation = c.accumulation_steps > 1 and self.ours("accumulation") and self._split is None
         if accumulation:
             self._micro_batching(root, scaling)
         if precision or accumulation:
@@ -352,8 +366,45 @@ def _install_now(inst: Installation) -> None:
     inst._undo.append(inst.backward.install())
     if c.full_offload:
         inst._start_full_offload()
+    if c.accumulation_steps > 1 and c.accumulation_split in ("loader", "arguments"):
+        _split_outside(inst)
     watch = ModelWatch(inst.accept, inst.on_model, inst.missing)
     inst._undo.append(watch.start())
+
+
+def _split_outside(inst: Installation) -> None:
+    """Micro-batching outside the model's forward, installed before the script runs: at the DataLoader
+    (``memdoctor.levers.loopsplit``) or through the script's own arguments (``levers.scriptargs``)."""
+    c = inst.config
+    if c.accumulation_split == "arguments":
+        if not c.script_args:
+            inst.fail("accumulation_split: arguments needs script_args (the options to add)")
+            return
+        args = ScriptArguments(c.script_args)
+        inst._split = args
+        inst._undo.append(args.install())
+        inst.applied(args.describe())
+        return
+    if c.precision == "fp16" and c.grad_scaler is not None:
+        inst.fail(
+            "accumulation_split: loader with precision fp16: memdoctor's loss scaling and the deferred "
+            "optimizer step do not combine; use bf16, or remove accumulation_steps from the config"
+        )
+        return
+    expected = c.micro_batch * c.accumulation_steps if c.micro_batch else None
+
+    def training() -> bool:  # and not taken over by a framework's own accumulation (HF, Lightning)
+        return inst.ours("accumulation") and (inst.model is None or inst.model.training)
+
+    split = LoopSplit(c.accumulation_steps, inst.backward, inst.fail, training, expected)
+    inst._split = split
+    inst._undo.append(split.install())
+    size = f" of {c.micro_batch} samples" if c.micro_batch else ""
+    inst.applied(
+        f"micro-batching: each training DataLoader batch split into {c.accumulation_steps} micro-batches"
+        f"{size}, the loop's step body run once per micro-batch, optimizer/scheduler/GradScaler steps and "
+        "zero_grad deferred to each batch's last; the script's optimizer steps and LR schedule are unchanged"
+    )
 
 
 def _frameworks(config: PlanConfig) -> FrameworkPatch:

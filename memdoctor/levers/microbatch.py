@@ -1,7 +1,8 @@
 """Micro-batching with gradient accumulation inside the model's forward.
 
 Where the split happens, and why there: the script's loop must keep its iterations, its optimizer steps
-and its LR schedule, so the batch is split inside the root model's forward, not in the loader. The
+and its LR schedule, so the batch is split inside the root model's forward, not in the loader, along
+its measured batch dimension (``memdoctor.levers.apply.split_batch``). The
 forward runs micro-batches 1..k-1 *and their backward* there (freeing their activations), then runs
 micro-batch k and returns its output, whose ``loss`` is the full batch's (the size-weighted mean of the
 micro-batch losses). The gradients of micro-batches 1..k-1 wait in ``.grad`` (or aside, see
@@ -11,8 +12,12 @@ used it, and they are multiplied by it before micro-batch k's gradients are accu
 the sum is the chain rule's for the whole batch: ``loss.backward()``, ``(loss / n).backward()`` and
 ``accelerator.backward(loss)`` all get the gradients of the unsplit batch.
 
-Needs: a model that computes its own loss (HF-style ``labels`` -> ``output.loss``; or a forward that
-returns the loss), a mean-reduced loss over samples (weights are each micro-batch's share of the
+Needs: a model that computes its own loss, found wherever its output holds it
+(``memdoctor.capture.loopshape.find_loss``: the output itself, a tuple's element such as a minimal GPT
+trainer's ``(logits, loss)``, a ``loss`` key or attribute of a dict, dataclass or HF ``ModelOutput``;
+the other outputs are joined back along the batch dimension, ``memdoctor.levers.outputs``; a loop that
+computes the loss itself is split at the DataLoader instead, ``memdoctor.levers.loopsplit``), a
+mean-reduced loss over samples (weights are each micro-batch's share of the
 samples; a loss divided by a count the caller passes, HF's ``num_items_in_batch``, is summed as is),
 and a script that backpropagates that loss. Otherwise the run stops with a line naming
 ``accumulation_steps``: a part of the plan is never silently dropped.
@@ -20,16 +25,18 @@ and a script that backpropagates that loss. Otherwise the run stops with a line 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from memdoctor.capture.loopshape import LossAt, LossPath, batch_layout, find_loss
 from memdoctor.errors import ConfigError
 from memdoctor.levers.apply import split_batch
 from memdoctor.levers.backward import BackwardPatch
+from memdoctor.levers.outputs import detached, merge_outputs, nbytes
 from memdoctor.patching import Undo, wrap_forward
 
 MAX_KEPT_BYTES = 256 << 20  # earlier micro-batches' outputs (logits) kept for the script, at most
@@ -115,6 +122,8 @@ class MicroBatching:
         self._noted_size = False
         self._noted_outputs = False
         self.splits = 0
+        self._dim = 0  # the batch dimension of the last split (outputs are joined along it)
+        self._layout: list[int | None] | None = None  # each input tensor's batch dimension (first batch)
 
     def install(self, model: nn.Module) -> Undo:
         self.model = model
@@ -132,18 +141,23 @@ class MicroBatching:
         if not (torch.is_grad_enabled() and self.model.training):
             return inner(*args, **kwargs)  # evaluation: nothing to accumulate
         self._never_backpropagated()
-        sizes = {t.shape[0] for t in _leaves((args, kwargs)) if t.dim() > 0}
-        if len(sizes) == 1 and sizes.pop() < self.parts:
+        expected = self._expected_micro * self.parts if self._expected_micro else None
+        size, dims = batch_layout((args, kwargs), expected, self._layout)
+        if size is not None and size < self.parts:
             return inner(*args, **kwargs)  # an epoch's short last batch: smaller than one split needs
         try:
-            parts = list(split_batch((args, kwargs), self.parts))
+            parts = list(split_batch((args, kwargs), self.parts, size, dims))
         except ConfigError as exc:
             self._fail(f"{exc} (memdoctor run splits the model's inputs)")
             return inner(*args, **kwargs)
+        assert size is not None  # split_batch refuses a batch without a size
+        self._layout = self._layout or dims  # the first batch is a full one: later ones keep its layout
+        agreed = {d for d in dims if d is not None}
+        self._dim = agreed.pop() if len(agreed) == 1 else 0
         if kwargs.get("num_items_in_batch") is not None:
             # HF's loss over a count given by the caller: each micro-batch's loss is already its share
             parts = [(part, 1.0) for part, _ in parts]
-        self._note_size(parts)
+        self._note_size(size)
         params = [p for p in self.model.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
         in_place = all(g is None for g in saved)
@@ -162,11 +176,11 @@ class MicroBatching:
                 p.grad = g
         (last_args, last_kwargs), weight = parts[-1]
         out = inner(*last_args, **last_kwargs)
-        loss = self._loss_of(out)
+        found = self._loss_of(out)
         self._pending = _Pending(params, held, self._current_scale)
-        joined = _JoinedLoss.apply(loss, weight, earlier, self._pending)
+        joined = _JoinedLoss.apply(found.loss, weight, earlier, self._pending)
         self.splits += 1
-        return self._merged(out, outputs, joined)
+        return self._merged(out, outputs, joined, found.path)
 
     def _never_backpropagated(self) -> None:
         """A training forward whose loss was never backpropagated left its earlier micro-batches'
@@ -184,26 +198,30 @@ class MicroBatching:
         outputs: list[Any] = []
         for (a, kw), weight in parts:
             out = inner(*a, **kw)
-            loss = self._loss_of(out)
+            loss = self._loss_of(out).loss
+            assert loss is not None
             part = loss * weight
             self.backward.raw(self._scale(part) if self._scale is not None else part)
             total = part.detach() if total is None else total + part.detach()
-            outputs.append(_detached(out))
+            outputs.append(detached(out))
             del out, loss, part  # this micro-batch's outputs are not alive during the next one's forward
         assert total is not None
         return total, outputs
 
-    def _loss_of(self, out: Any) -> torch.Tensor:
-        loss = _find_loss(out)
-        if loss is None:
-            self._fail(
-                "accumulation_steps: the model's forward returns no loss (no labels passed, or a model "
-                "that does not compute one), so memdoctor run cannot split the batch inside it "
-                "faithfully; remove accumulation_steps from the config, or apply it in code with "
-                "memdoctor.apply (docs/config.md)"
+    def _loss_of(self, out: Any) -> LossAt:
+        found = find_loss(out)
+        if found.loss is None:
+            why = found.ambiguous or (
+                "the model's forward returns no loss (no labels passed, or a model that does not compute one)"
             )
-            raise ConfigError("accumulation_steps: the model's forward returns no loss")
-        return loss
+            self._fail(
+                f"accumulation_steps: {why}, so memdoctor run cannot split the batch inside it "
+                "faithfully; plan again from a profile of this script (memdoctor profile finds where its "
+                "loss is and splits at the DataLoader instead), or remove accumulation_steps from the "
+                "config, or apply it in code with memdoctor.apply (docs/config.md)"
+            )
+            raise ConfigError(f"accumulation_steps: {why}")
+        return found
 
     def _complete(self) -> None:
         """After the script's backward: add the held gradients, times d(script's loss)/d(returned loss)."""
@@ -229,19 +247,18 @@ class MicroBatching:
             else:
                 p.grad.add_(g)
 
-    def _note_size(self, parts: list[Any]) -> None:
+    def _note_size(self, total: int) -> None:
         if self._noted_size or self._expected_micro is None:
             return
         self._noted_size = True
-        total = sum(_size(p) for p in parts)
         if total != self._expected_micro * self.parts:
             self._say(
                 f"note: the plan's micro-batch was {self._expected_micro} x {self.parts}; this batch of "
                 f"{total} is split into {self.parts} micro-batches of about {total // self.parts}"
             )
 
-    def _merged(self, out: Any, earlier: list[Any], loss: torch.Tensor) -> Any:
-        kept = sum(_nbytes(o) for o in earlier)
+    def _merged(self, out: Any, earlier: list[Any], loss: torch.Tensor, path: LossPath) -> Any:
+        kept = sum(nbytes(o) for o in earlier)
         if kept > MAX_KEPT_BYTES:
             earlier = []
             if not self._noted_outputs:
@@ -250,78 +267,4 @@ class MicroBatching:
                     "note: the model's outputs other than the loss hold the last micro-batch only (the "
                     f"earlier ones' would take {kept >> 20} MiB)"
                 )
-        return _merge(out, earlier, loss)
-
-
-def _find_loss(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out if out.numel() == 1 and out.requires_grad else None
-    if isinstance(out, Mapping):
-        loss = out.get("loss")
-    elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        loss = out[0]
-    else:
-        loss = getattr(out, "loss", None)
-    ok = isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
-    return loss if ok else None
-
-
-def _detached(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, Mapping):
-        return {k: _detached(v) for k, v in out.items() if k != "loss"}
-    if isinstance(out, tuple):
-        return tuple(_detached(v) for v in out)
-    return None
-
-
-def _merge(out: Any, earlier: list[Any], loss: torch.Tensor) -> Any:
-    """``out`` with its loss replaced by ``loss`` and its batch-shaped tensors prefixed by ``earlier``'s."""
-    if isinstance(out, torch.Tensor):
-        return loss
-    if isinstance(out, Mapping):
-        for key in list(out.keys()):
-            value = loss if key == "loss" else _cat([e.get(key) for e in earlier], out[key])
-            out[key] = value  # type: ignore[index]
-        return out
-    if isinstance(out, tuple):
-        rest = [_cat([e[i] if len(e) > i else None for e in earlier], v) for i, v in enumerate(out)]
-        return type(out)([loss, *rest[1:]])
-    return out
-
-
-def _cat(earlier: list[Any], last: Any) -> Any:
-    pieces = [*earlier, last]
-    tensors = earlier and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in pieces)
-    if tensors and all(t.shape[1:] == last.shape[1:] for t in earlier):
-        return torch.cat(pieces)
-    if isinstance(last, tuple) and earlier and all(isinstance(e, tuple) for e in earlier):
-        return type(last)(_cat([e[i] for e in earlier], v) for i, v in enumerate(last))
-    return last
-
-
-def _nbytes(out: Any) -> int:
-    if isinstance(out, torch.Tensor):
-        return out.numel() * out.element_size()
-    if isinstance(out, Mapping):
-        return sum(_nbytes(v) for v in out.values())
-    if isinstance(out, tuple):
-        return sum(_nbytes(v) for v in out)
-    return 0
-
-
-def _size(part: Any) -> int:
-    (args, kwargs), _ = part
-    sizes = [t.shape[0] for t in _leaves((args, kwargs)) if t.dim() > 0]
-    return sizes[0] if sizes else 0
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaves(v)]
-    return []
+        return merge_outputs(out, earlier, loss, path, self._dim)

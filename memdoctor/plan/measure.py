@@ -14,6 +14,7 @@ from memdoctor.analysis.precision import already_half, measured_steps, module_pr
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
 from memdoctor.plan.padding import padding_facts
+from memdoctor.plan.splits import split_of
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
 
@@ -47,6 +48,9 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     pad, pad_why = padding_facts(trace, summary)
     amp_share, matmul_bytes = amp_figures(trace, summary, rows, notes, outside)
     script = summary.get("script_precision") or {}
+    split = split_of(trace)
+    if split.why_not:
+        notes.append(split.why_not)
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, rows, notes)
@@ -90,6 +94,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         script_tf32=(script.get("tf32") or {}).get("matmul_tf32")
         if script.get("device_type") == "cuda"
         else None,
+        split=split,
     )
 
 
@@ -283,8 +288,12 @@ def _estimated_fwd_bwd(trace: Trace, rows: list[dict[str, Any]], notes: list[str
 
 
 def batch_size(summary: dict[str, Any]) -> int | None:
-    """The batch dimension of the largest measured batch: the first dimension its tensors share."""
+    """The batch size of the largest measured batch: as measured along its batch dimension (not assumed
+    to be dim 0: sequence-first batches), else (older traces) the first dimension its tensors share."""
     largest = (summary.get("data") or {}).get("largest_batch") or {}
+    measured = largest.get("batch_size")
+    if isinstance(measured, int) and measured > 0:
+        return measured
     shapes = [v for v in (largest.get("shapes") or {}).values() if v]
     firsts = {v[0] for v in shapes}
     return firsts.pop() if len(firsts) == 1 and min(firsts) > 0 else None

@@ -27,6 +27,7 @@ from memdoctor.analysis.layers import layer_table
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.padding import Padding
+from memdoctor.plan.splits import AS_BEFORE, split_from_record
 from memdoctor.plan.workload import Candidate, ParamHolder, Workload
 from memdoctor.trace import Trace
 from memdoctor.units import first_names
@@ -114,6 +115,7 @@ def from_record(d: dict[str, Any]) -> Workload:
     window = d.get("scale_window_log2")
     values["scale_window_log2"] = tuple(window) if window else None
     values["notes"] = [str(n) for n in d.get("notes") or []]
+    values["split"] = split_from_record(d.get("split")) or AS_BEFORE
     return Workload(**values)
 
 

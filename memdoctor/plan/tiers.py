@@ -87,5 +87,9 @@ def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> 
 
 
 def accumulations(w: Workload) -> list[int]:
-    """Micro-batch splits to try; only divisors of the batch when its size was measured."""
-    return [a for a in ACCUMULATIONS if w.batch_size is None or (w.batch_size % a == 0 and w.batch_size >= a)]
+    """Micro-batch splits to try: only where a split applies to this script (``memdoctor.plan.splits``:
+    known before it is proposed), and only divisors of the batch when its size was measured."""
+    sized = [
+        a for a in ACCUMULATIONS if w.batch_size is None or (w.batch_size % a == 0 and w.batch_size >= a)
+    ]
+    return [a for a in sized if w.split.allows(a)]

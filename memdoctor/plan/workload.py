@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memdoctor.plan.padding import Padding
+from memdoctor.plan.splits import AS_BEFORE, Split
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ class Workload:
         own autocast memdoctor adds none (``memdoctor.levers.autocast`` keeps the script's), so no
         activation, weight-cache or time change is predicted from it."""
         return precision != "fp32" and self.script_autocast is None
+
+    # How micro-batching applies to this script (``memdoctor.plan.splits``): in the forward, at the
+    # DataLoader, through its own arguments, or not at all (``split.why_not``).
+    split: Split = AS_BEFORE
 
 
 def corrected_workload(w: Workload, factor: float) -> Workload:

@@ -1,0 +1,293 @@
+"""What a training loop looks like, for the planner to know which micro-batch split can apply.
+
+Three facts, measured while the script runs: where the loss is (``find_loss`` on the trained model's
+forward output: in it, or computed outside by the loop), the batch dimension of a batch (``batch_dims``:
+the dimension of each tensor whose size is the batch's, not assumed to be 0: a sequence-first RNN batch
+is ``[seq, batch, ...]``), and the script's own batch-size and gradient-accumulation arguments
+(``ArgparseWatch``: the options an ``argparse`` parser knows and the values it parsed). The levers use
+the same functions when they split, so what the plan was made from is what ``memdoctor run`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from memdoctor.patching import Undo, wrap_attr
+
+# Where a loss sits in a forward's output: () the output itself, ("key", k) a mapping's key,
+# ("index", i) a tuple's element, ("attr", name) an attribute (a dataclass field, HF's ModelOutput).
+LossPath = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossAt:
+    """The loss found in a forward's output (``loss`` None: none, or ``ambiguous`` names why)."""
+
+    loss: torch.Tensor | None
+    path: LossPath = ()
+    ambiguous: str | None = None
+
+    def where(self) -> str:
+        """The path as text for the trace: ``output``, ``["loss"]``, ``[1]``, ``.loss``."""
+        if not self.path:
+            return "output"
+        kind, key = self.path
+        return {"key": f"[{key!r}]", "index": f"[{key}]", "attr": f".{key}"}[kind]
+
+
+def is_loss(value: Any) -> bool:
+    """A loss is a floating scalar tensor that autograd can backpropagate."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.requires_grad
+        and value.is_floating_point()
+    )
+
+
+def find_loss(out: Any) -> LossAt:
+    """The loss in a forward's output: a scalar requiring grad, as the output, under the name ``loss``
+    (key or attribute), else the one such scalar among a tuple's, mapping's or dataclass's members.
+    Two or more unnamed scalars are ambiguous: the split would not know which one the script
+    backpropagates, so it says so rather than guess."""
+    if isinstance(out, torch.Tensor):
+        return LossAt(out if is_loss(out) else None)
+    named = _named_loss(out)
+    if named is not None:
+        return named
+    members = _members(out)
+    found = [(path, v) for path, v in members if is_loss(v)]
+    if len(found) == 1:
+        return LossAt(found[0][1], found[0][0])
+    if len(found) > 1:
+        places = ", ".join(LossAt(None, p).where() for p, _ in found)
+        return LossAt(None, (), f"the forward returns {len(found)} scalar tensors requiring grad ({places})")
+    return LossAt(None)
+
+
+def _named_loss(out: Any) -> LossAt | None:
+    if isinstance(out, Mapping):
+        value = out.get("loss")
+        return LossAt(value, ("key", "loss")) if is_loss(value) else None
+    if isinstance(out, tuple) and hasattr(out, "_fields") and "loss" in out._fields:
+        i = out._fields.index("loss")
+        return LossAt(out[i], ("index", i)) if is_loss(out[i]) else None
+    value = getattr(out, "loss", None) if not isinstance(out, (list, tuple)) else None
+    return LossAt(value, ("attr", "loss")) if is_loss(value) else None
+
+
+def _members(out: Any) -> list[tuple[LossPath, Any]]:
+    if isinstance(out, Mapping):
+        return [(("key", k), v) for k, v in out.items()]
+    if isinstance(out, (list, tuple)):
+        return [(("index", i), v) for i, v in enumerate(out)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [(("attr", f.name), getattr(out, f.name, None)) for f in dataclasses.fields(out)]
+    return []
+
+
+def loss_fact(out: Any) -> dict[str, Any]:
+    """The trace's record of where a forward's loss is: ``{"in_forward": bool, "at": ..., "why": ...}``."""
+    found = find_loss(out)
+    if found.loss is not None:
+        return {"in_forward": True, "at": found.where(), "why": None}
+    why = found.ambiguous or "the forward returns no scalar tensor requiring grad (the loop computes it)"
+    return {"in_forward": False, "at": None, "why": why}
+
+
+# ----------------------------------------------------------------------------------------- batch dim
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch (tensor, mapping, list, tuple; strings and numbers hold none), depth-first."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in tensors_of(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in tensors_of(v)]
+    return []
+
+
+def batch_size_of(batch: Any, expected: int | None = None) -> int | None:
+    """The batch's size: ``expected`` when every tensor has a dimension of it; else the size every
+    tensor's dim 0 shares; else the one size every tensor has in some dimension; else ``expected``
+    when some tensor has it (the split then names the tensor without it). None when none is."""
+    shaped = [t for t in tensors_of(batch) if t.dim() > 0]
+    if not shaped:
+        return None
+    if expected is not None and all(expected in t.shape for t in shaped):
+        return expected
+    firsts = {t.shape[0] for t in shaped}
+    if len(firsts) == 1:
+        return firsts.pop()
+    common = set(shaped[0].shape).intersection(*(set(t.shape) for t in shaped[1:]))
+    if len(common) == 1:
+        return common.pop()
+    return expected if expected is not None and any(expected in t.shape for t in shaped) else None
+
+
+def batch_dims(batch: Any, size: int) -> list[int | None]:
+    """For each tensor of ``batch`` (``tensors_of`` order), the dimension of size ``size``: dim 0 where
+    it is (batch-first, as a DataLoader collates), else the first that is (sequence-first: ``[seq,
+    batch, ...]``, hidden states ``[layers, batch, hidden]``); None for a tensor without one."""
+    out: list[int | None] = []
+    for t in tensors_of(batch):
+        dims = [d for d in range(t.dim()) if t.shape[d] == size]
+        out.append(None if not dims else dims[0])
+    return out
+
+
+def batch_layout(
+    batch: Any, expected: int | None, known: list[int | None] | None
+) -> tuple[int | None, list[int | None]]:
+    """The batch's size and each tensor's batch dimension. ``known``: the dimensions found on an
+    earlier, full batch of the same structure, reused where they still agree on one size (an epoch's
+    short last batch whose sequence length happens to equal the full batch size stays split along
+    its batch dimension, not its sequence)."""
+    tensors = tensors_of(batch)
+    if known is not None and len(known) == len(tensors):
+        fits = all(d is None or d < t.dim() for t, d in zip(tensors, known, strict=True))
+        sizes = {t.shape[d] for t, d in zip(tensors, known, strict=True) if fits and d is not None}
+        if fits and len(sizes) == 1:
+            return sizes.pop(), known
+    size = batch_size_of(batch, expected)
+    return size, batch_dims(batch, size) if size is not None else []
+
+
+def batch_dim(batch: Any, expected: int | None = None) -> int | None:
+    """The batch dimension the batch's tensors agree on (the trace's ``batch_dim``); None when they
+    disagree (a mix of batch-first and sequence-first tensors) or no batch size is found."""
+    size = batch_size_of(batch, expected)
+    if size is None:
+        return None
+    dims = {d for d in batch_dims(batch, size) if d is not None}
+    return dims.pop() if len(dims) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------- knobs
+
+BATCH_KNOB = re.compile(r"^(?:train_|per_device_train_|micro_)?batch_?size$")
+ACCUMULATION_KNOB = re.compile(
+    r"^(?:gradient_accumulation_steps|grad_accum(?:ulation)?(?:_steps)?|accumulation_steps|accum(?:_steps)?)$"
+)
+
+
+@dataclasses.dataclass
+class Knobs:
+    """The script's batch-size and accumulation options (as typed: ``--batch-size``) and their values."""
+
+    batch_option: str | None = None
+    batch_value: int | None = None
+    accumulation_option: str | None = None
+    accumulation_value: int | None = None
+
+    def as_field(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def knobs_of(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> Knobs:
+    """The batch-size and accumulation options of ``parser`` with the values parsed into ``namespace``
+    (an int option only: a value memdoctor run can set by passing the option again)."""
+    knobs = Knobs()
+    for action in parser._actions:  # argparse has no public list of a parser's options
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        value = getattr(namespace, action.dest, None)
+        if not longs or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        name = action.dest.lower().replace("-", "_")
+        if knobs.batch_option is None and BATCH_KNOB.match(name):
+            knobs.batch_option, knobs.batch_value = longs[0], value
+        elif knobs.accumulation_option is None and ACCUMULATION_KNOB.match(name):
+            knobs.accumulation_option, knobs.accumulation_value = longs[0], value
+    return knobs
+
+
+class ArgparseWatch:
+    """Records the knobs of every ``ArgumentParser.parse_known_args`` call (``parse_args`` goes through
+    it) while installed; ``on_knobs`` is called with each parse that found a batch-size option."""
+
+    def __init__(self, on_knobs: Callable[[Knobs], None]) -> None:
+        self._on_knobs = on_knobs
+
+    def install(self) -> Undo:
+        watch = self
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def parse_known_args(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+                result = original(parser, *args, **kwargs)
+                watch._seen(parser, result)
+                return result
+
+            return parse_known_args
+
+        return wrap_attr(argparse.ArgumentParser, "parse_known_args", make)
+
+    def _seen(self, parser: argparse.ArgumentParser, result: Any) -> None:
+        try:
+            knobs = knobs_of(parser, result[0])
+        except Exception:  # never into the script's argument parsing
+            return
+        if knobs.batch_option is not None:
+            self._on_knobs(knobs)
+
+
+# ----------------------------------------------------------------------------------------- the record
+
+
+class LoopFacts:
+    """The ``loop`` entry of the data collector's facts (docs/trace-format.md): where the loss is, whether
+    training batches come from a DataLoader, whether a ``torch.optim`` optimizer steps (a step that can
+    be deferred), and the script's batch-size and accumulation arguments. ``changed`` is called when a
+    fact is first known (the collector emits its facts again)."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        self._changed = changed
+        self.loss: dict[str, Any] | None = None
+        self.loader = False
+        self.torch_optim = False
+        self.knobs: dict[str, Any] | None = None
+        self._undo: list[Undo] = []
+
+    def as_field(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss,
+            "loader": self.loader,
+            "torch_optim": self.torch_optim,
+            "knobs": self.knobs,
+        }
+
+    def start(self) -> None:
+        self._undo = [ArgparseWatch(self._knobs).install()]
+
+    def stop(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def forward_output(self, module: torch.nn.Module, out: Any) -> None:
+        """The trained root's first training forward: where its loss is (``loss_fact``)."""
+        if self.loss is None and module.training and torch.is_grad_enabled():
+            self.loss = loss_fact(out)
+            self._changed()
+
+    def loader_batch(self) -> None:
+        if not self.loader:
+            self.loader = True
+            self._changed()
+
+    def stepped(self) -> None:
+        """A ``torch.optim`` optimizer stepped (the collector's ``on_optimizer``)."""
+        if not self.torch_optim:
+            self.torch_optim = True
+            self._changed()
+
+    def _knobs(self, knobs: Knobs) -> None:
+        if self.knobs is None:
+            self.knobs = knobs.as_field()
+            self._changed()

@@ -1,0 +1,146 @@
+"""Which micro-batch split ``memdoctor run`` can apply to this script, known before it is proposed.
+
+Read from the data collector's ``loop`` facts (docs/trace-format.md), in the order an expert would try:
+
+1. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
+   key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
+2. ``loader``: the loop computes the loss, its training batches come from a DataLoader read without
+   look-ahead, and a ``torch.optim`` optimizer steps: split each batch at the loader and defer the
+   step (``memdoctor.levers.loopsplit``).
+3. ``arguments``: the script parses a batch-size and a gradient-accumulation argument: pass smaller
+   batches and more accumulation steps, the effective batch unchanged (``memdoctor.levers.scriptargs``).
+
+Otherwise no split is safe, and ``why_not`` says precisely why; the planner then plans without
+micro-batching. A trace from before these facts were recorded plans as before (``forward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memdoctor.trace import Trace
+
+
+@dataclass(frozen=True)
+class Split:
+    """How micro-batching applies (``kind``), or why it cannot (``why_not``)."""
+
+    kind: str | None
+    why_not: str | None = None
+    batch_option: str | None = None
+    batch_value: int | None = None
+    accumulation_option: str | None = None
+    accumulation_value: int | None = None
+
+    def allows(self, k: int) -> bool:
+        """Whether ``k`` micro-batches can be planned (the script's batch argument divides by ``k``)."""
+        if k == 1:
+            return True
+        if self.kind == "arguments":
+            return self.batch_value is not None and self.batch_value % k == 0 and self.batch_value >= k
+        return self.kind is not None
+
+    def script_args(self, k: int) -> list[str]:
+        """The arguments that make ``k`` micro-batches of the script's batch (``arguments`` only)."""
+        if self.kind != "arguments" or k == 1 or not self.allows(k):
+            return []
+        assert self.batch_option and self.accumulation_option and self.batch_value
+        steps = (self.accumulation_value or 1) * k
+        return [self.batch_option, str(self.batch_value // k), self.accumulation_option, str(steps)]
+
+
+AS_BEFORE = Split("forward")
+
+
+def split_of(trace: Trace | Any) -> Split:
+    """The split the trace's loop facts allow (module docstring)."""
+    facts = _facts(trace)
+    loop = facts.get("loop")
+    if not isinstance(loop, dict):
+        return AS_BEFORE
+    loss = loop.get("loss")
+    if not isinstance(loss, dict) or loss.get("in_forward"):
+        return AS_BEFORE  # no training forward seen (a run that died first): as before
+    lookahead = facts.get("lookahead")
+    if loop.get("loader") and loop.get("torch_optim") and not lookahead:
+        return Split("loader")
+    found = loop.get("knobs")
+    knobs: dict[str, Any] = found if isinstance(found, dict) else {}
+    return _arguments(knobs) or Split(None, _why_not(loss, loop, lookahead, knobs))
+
+
+def _arguments(knobs: dict[str, Any]) -> Split | None:
+    """The ``arguments`` split where the script parses both a batch-size and an accumulation option."""
+    if not (
+        knobs.get("batch_option") and knobs.get("accumulation_option") and _int(knobs.get("batch_value"))
+    ):
+        return None
+    return Split(
+        "arguments",
+        batch_option=str(knobs["batch_option"]),
+        batch_value=_int(knobs.get("batch_value")),
+        accumulation_option=str(knobs["accumulation_option"]),
+        accumulation_value=_int(knobs.get("accumulation_value")) or 1,
+    )
+
+
+def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: dict[str, Any]) -> str:
+    where = loss.get("why") or "the loop computes the loss"
+    if loop.get("loader") and not loop.get("torch_optim"):
+        source = "batches come from a DataLoader but no torch.optim optimizer steps (whose step could wait)"
+    elif loop.get("loader"):
+        source = f"the DataLoader is read {lookahead} batch(es) ahead (accelerate), so a split cannot align"
+    else:
+        source = "batches do not come from a DataLoader"
+    if knobs.get("batch_option"):
+        args = f"the script has a batch-size argument ({knobs['batch_option']}) but no accumulation argument"
+    else:
+        args = "the script has no batch-size and accumulation arguments (argparse)"
+    return f"no safe micro-batch split: {where}; {source}; {args}"
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def reprofile_splits(trace: Trace | Any) -> list[Split]:
+    """The splits a re-profile at a smaller micro-batch can try, best first. A run that died in its
+    first forward never showed where its loss is: then every split its loop allows is tried in turn
+    (the forward's, the DataLoader's, the script's arguments); empty when none can apply."""
+    split = split_of(trace)
+    facts = _facts(trace)
+    loop = facts.get("loop")
+    if not isinstance(loop, dict) or isinstance(loop.get("loss"), dict):
+        return [split] if split.kind is not None else []
+    found: list[Split] = [AS_BEFORE]
+    if loop.get("loader"):
+        found.append(Split("loader"))
+    knobs = loop.get("knobs")
+    arguments = _arguments(knobs) if isinstance(knobs, dict) else None
+    return [*found, arguments] if arguments is not None else found
+
+
+def _facts(trace: Trace | Any) -> dict[str, Any]:
+    collected = getattr(trace, "collected", None) or {}
+    facts = collected.get("data") if isinstance(collected, dict) else None
+    return facts if isinstance(facts, dict) else {}
+
+
+def planned_split(trace: Trace | Any) -> Split:
+    """The split the plan was made with: the one a re-profile used (recorded with its workload: the
+    first run may have died before its loss was seen), else the trace's own (``split_of``)."""
+    collected = getattr(trace, "collected", None) or {}
+    record = collected.get("reprofile") if isinstance(collected, dict) else None
+    workload = record.get("workload") if isinstance(record, dict) else None
+    return split_from_record(workload.get("split") if isinstance(workload, dict) else None) or split_of(trace)
+
+
+def split_from_record(d: Any) -> Split | None:
+    """The ``Split`` of a workload record's ``split`` (``dataclasses.asdict``); None when not one."""
+    if not isinstance(d, dict):
+        return None
+    try:
+        return Split(**d)
+    except TypeError:
+        return None
