@@ -150,14 +150,25 @@ EXAMPLES = [
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "corpus"
 
 
+CORPUS_SHAPES = {
+    "imagenet_style": "ResNet-shaped CNN, loss in the loop (CrossEntropyLoss), SGD + StepLR, DataLoader",
+    "dcgan_style": "GAN: netG and netD, two Adams, BCELoss, three backwards a batch",
+    "word_lm_style": "LSTM LM, [seq, batch] batches, hand updates (no torch.optim), clip_grad_norm_",
+    "time_seq_style": "float64 LSTMCells, LBFGS with a closure",
+    "regression_style": "poly fit, get_batch(), hand updates (no torch.optim)",
+    "hogwild_style": "shared-memory model trained in 1 spawned process, SGD",
+    "hf_no_trainer_style": "accelerate + tiny GPT-2 from a config, model's own loss, accumulate()",
+    "timm_style": "tiny ViT from a factory, label-smoothing loss in the loop, GradScaler(enabled=False)",
+    "nanogpt_style": "GPT: own bf16 autocast, forward returns (logits, loss), get_batch(), --grad-accum",
+}
+
+
 def corpus_examples() -> list[Example]:
-    """This repository's own corpus (tests/corpus, the scripts tests/test_corpus.py runs), each with
-    its first docstring line as its shape."""
-    found = []
-    for path in sorted(CORPUS.glob("*_style.py")):
-        doc = (path.read_text().split('"""')[1] if '"""' in path.read_text() else "").strip()
-        found.append(Example(path.stem, "", path.name, [], doc.split(",")[0], local=path))
-    return found
+    """This repository's own corpus (tests/corpus, the scripts tests/test_corpus.py runs)."""
+    return [
+        Example(path.stem, "", path.name, [], CORPUS_SHAPES.get(path.stem, "?"), local=path)
+        for path in sorted(CORPUS.glob("*_style.py"))
+    ]
 
 
 def extract(snapshot: Path, folder: str, into: Path) -> list[str]:
@@ -215,6 +226,7 @@ class Row:
     budget_bytes: int | None = None
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    stages: list[dict[str, object]] = field(default_factory=list)  # each command, with its output's end
 
 
 def run_example(ex: Example, snapshot: Path, work: Path, s: Settings, pythonpath: str | None) -> Row:
@@ -263,6 +275,11 @@ def _row(ex: Example, loop: Loop, notes: list[str]) -> Row:
         loop.budget_bytes,
         sum(st.seconds for st in loop.stages),
         sum(st.cpu_seconds for st in loop.stages),
+        [
+            {"name": st.name, "argv": st.argv[2:], "code": st.code, "seconds": round(st.seconds, 1)}
+            | {"cpu_seconds": round(st.cpu_seconds, 1), "output_tail": st.tail(40)}
+            for st in loop.stages
+        ],
     )
 
 

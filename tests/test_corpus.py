@@ -65,6 +65,7 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def _describe(loop: Loop) -> str:
     cells = [f"profile: {profile_cell(loop)}"]
     cells += [f"{name}: {stage_cell(loop, name)}" for name in ("plan", "run", "verify")]
+    cells += [", ".join(f"{s.name} {s.seconds:.0f} s ({s.cpu_seconds:.0f} s CPU)" for s in loop.stages)]
     return "\n  ".join(cells)
 
 

@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--ngf", type=int, default=8)
     p.add_argument("--ndf", type=int, default=8)
     p.add_argument("--niter", type=int, default=1)
-    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.0002)
     args = p.parse_args()
     torch.manual_seed(0)

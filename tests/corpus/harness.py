@@ -251,15 +251,22 @@ def profile_cell(loop: Loop) -> str:
     peak = s.get("peak_memory_bytes") or 0
     cell = f"{s.get('status')}, {s.get('steps_profiled')} steps, peak {peak / 1024:.0f} KiB"
     if stage is not None and stage.code != 0:
-        cell += f" (exit {stage.code}: {_short(stage.error or stage.tail(1))})"
+        cell += f" (exit {stage.code}: {_short(stage.error or str(s.get('headline')))})"
     return cell
+
+
+def why_nothing_fits(plan: dict[str, Any]) -> str | None:
+    """The plan's own reason, else its first piece of advice (where the planner says why)."""
+    advice = plan.get("advice") or [None]
+    why = plan.get("reason") or advice[0]
+    return str(why) if why else None
 
 
 def _plan_cell(plan: dict[str, Any] | None) -> str:
     if plan is None:
         return "no plan"
     if not plan.get("fits"):
-        return f"nothing fits: {_short(str(plan.get('reason')))}"
+        return f"nothing fits: {_short(str(why_nothing_fits(plan)), 240)}"
     return "fits: " + "; ".join(str(x) for x in plan.get("levers") or ["as is"])
 
 
@@ -286,15 +293,13 @@ def problems(loop: Loop) -> list[str]:
     found = [f"traceback in {t}" for t in loop.tracebacks()]
     prof = loop.profile or {}
     if not prof.get("steps_profiled"):
-        stage = loop.stage("profile")
-        why = (stage.error or stage.tail(3)) if stage else "not run"
-        found.append(f"profile found no steps (status {prof.get('status')}): {why}")
+        found.append(f"profile found no steps: {profile_cell(loop)}")
         return found
     if loop.plan is None:
         found.append("plan: no plan JSON")
         return found
     if not loop.plan.get("fits"):
-        if not loop.plan.get("reason"):
+        if not why_nothing_fits(loop.plan):
             found.append("plan: nothing fits, and no reason is given")
         return found
     for name in ("run", "verify"):

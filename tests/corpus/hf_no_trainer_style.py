@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--learning_rate", type=float, default=5e-4)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--block_size", type=int, default=32)
-    p.add_argument("--max_train_steps", type=int, default=6)
+    p.add_argument("--max_train_steps", type=int, default=4)
     args = p.parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     torch.manual_seed(0)

@@ -55,7 +55,7 @@ def train(rank: int, args: argparse.Namespace, model: nn.Module, dataset: Tensor
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--batches", type=int, default=4)
     p.add_argument("--num-processes", type=int, default=1)
     args = p.parse_args()
     torch.manual_seed(1)

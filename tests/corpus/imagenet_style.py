@@ -37,7 +37,7 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, width: int = 8, num_classes: int = 10) -> None:
+    def __init__(self, width: int = 4, num_classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
@@ -89,9 +89,9 @@ def train(
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("-b", "--batch-size", type=int, default=16)
+    p.add_argument("-b", "--batch-size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batches", type=int, default=4, help="batches per epoch")
+    p.add_argument("--batches", type=int, default=3, help="batches per epoch")
     p.add_argument("--lr", type=float, default=0.1)
     args = p.parse_args()
     torch.manual_seed(0)

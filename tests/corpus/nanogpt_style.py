@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--max-iters", type=int, default=6)
+    p.add_argument("--max-iters", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=6e-4)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     args = p.parse_args()

@@ -48,8 +48,8 @@ def sine_waves(n: int, length: int) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--length", type=int, default=40)
-    p.add_argument("--max-iter", type=int, default=4)
+    p.add_argument("--length", type=int, default=24)
+    p.add_argument("--max-iter", type=int, default=3)
     args = p.parse_args()
     torch.manual_seed(0)
     data = sine_waves(12, args.length)

@@ -66,7 +66,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="vit_tiny_test")
     p.add_argument("-b", "--batch-size", type=int, default=16)
-    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--smoothing", type=float, default=0.1)
     p.add_argument("--amp", action="store_true")

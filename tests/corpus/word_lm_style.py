@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.25)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--bptt", type=int, default=12)
-    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--batches", type=int, default=4)
     args = p.parse_args()
     torch.manual_seed(1111)
     stream = torch.randint(0, args.ntokens, (args.batch_size * (args.bptt * args.batches + 1),))
