@@ -9,7 +9,9 @@ stage printed a traceback, the profile found steps, and either the plan fits and
 verified round succeed, or the plan says that nothing fits and why.
 
 The loops start child processes (several per script), so this file is slow: all loops start at once
-when the first test asks for them, ``WORKERS`` at a time, and each test waits for its own.
+when the first test asks for them, ``WORKERS`` at a time, and each test waits for its own. Measured on
+2026-12-03 (7 of the 9 loops stopping early): 6 min 19 s of CPU in all, 8 min wall on the shared
+2-core machine; a loop that goes through every stage takes 50-95 s of CPU, most of it the verify run.
 """
 
 from __future__ import annotations

@@ -210,12 +210,15 @@ def close_the_loop(
 
 
 def _plan_json(output: str) -> dict[str, Any] | None:
-    """``plan --json``'s "plan", from stdout (the ``Wrote`` line follows the JSON)."""
-    start, end = output.find("{"), output.rfind("}")
-    if start < 0 or end < start:
+    """``plan --json``'s "plan", from its output: the lines from a lone ``{`` to a lone ``}`` (stderr is
+    merged in; the ``Wrote`` line follows the JSON)."""
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line == "{"]
+    ends = [i for i, line in enumerate(lines) if line == "}"]
+    if not starts or not ends or ends[-1] < starts[0]:
         return None
     try:
-        loaded = json.loads(output[start : end + 1])
+        loaded = json.loads("\n".join(lines[starts[0] : ends[-1] + 1]))
     except ValueError:
         return None
     plan = loaded.get("plan") if isinstance(loaded, dict) else None
@@ -234,7 +237,7 @@ def stage_cell(loop: Loop, name: str) -> str:
         return f"TRACEBACK (exit {stage.code})"
     if stage.code is None:
         return "killed at the timeout"
-    if name == "plan":
+    if name == "plan" and (loop.plan is not None or stage.code == 0):
         return _plan_cell(loop.plan)
     if name == "verify":
         return _verify_cell(stage, loop.verified)
@@ -296,7 +299,7 @@ def problems(loop: Loop) -> list[str]:
         found.append(f"profile found no steps: {profile_cell(loop)}")
         return found
     if loop.plan is None:
-        found.append("plan: no plan JSON")
+        found.append(f"plan: no plan JSON ({stage_cell(loop, 'plan')})")
         return found
     if not loop.plan.get("fits"):
         if not why_nothing_fits(loop.plan):
