@@ -6,6 +6,7 @@ milliseconds here (one wait for the GPU per step), and everything is derived fro
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -77,6 +78,18 @@ class StepData:
                 self.ckpt_free[key] = max(self.ckpt_free.get(key) or 0, ckpt)
         self.micro = {}
 
+    def close_backward_pass(self) -> None:
+        """A new forward starts (a micro-batch, or LBFGS calling its closure again): modules whose
+        inputs take no gradient never report their backward's end, so their spans still open end at
+        the last backward sample so far. Left open, the next pass's first backward end would pair with
+        them, and every pair after it would span two passes."""
+        if not any(self.bwd_open.values()):
+            return
+        last = next((i for i in range(len(self.samples) - 1, -1, -1) if self.samples[i].event[0] == "b"), -1)
+        for key, starts in self.bwd_open.items():
+            self.bwd_pairs += [(key, start, last) for start in starts if start <= last]
+            starts.clear()
+
     def last_opt_post_index(self) -> int:
         for i in range(len(self.samples) - 1, -1, -1):
             if self.samples[i].event == "opt_post":
@@ -88,15 +101,23 @@ _EVENT_PHASE = {"fwd_post": "forward", "bwd_pre": "backward", "bwd_post": "backw
 
 
 def interval_phases(samples: list[Sample]) -> list[str]:
-    """The phase of the interval that ends at each sample."""
+    """The phase of the interval that ends at each sample. Inside an optimizer step (between its pre-
+    and post-hook) what is not forward or backward is the optimizer's own work: LBFGS runs its closure,
+    a forward and a backward, several times in one step, and works between those calls."""
     phases = []
+    in_opt = False
     for s in samples:
         if s.event == "fwd_pre":
-            phases.append("forward" if s.depth > 0 else "other")
+            phase = "forward" if s.depth > 0 else "other"
         elif s.event == "fault":
-            phases.append(phases[-1] if phases else "other")
+            phase = phases[-1] if phases else "other"
         else:
-            phases.append(_EVENT_PHASE.get(s.event, "other"))
+            phase = _EVENT_PHASE.get(s.event, "other")
+        phases.append("optimizer" if in_opt and phase == "other" else phase)
+        if s.event == "opt_pre":
+            in_opt = True
+        elif s.event == "opt_post":
+            in_opt = False
     return phases
 
 
@@ -119,7 +140,7 @@ def build_step(
     phases_ms = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
     for i in range(1, len(samples)):
         phases_ms[phases[i]] += max(0.0, t_ms[i] - t_ms[i - 1])
-    _close_open_backward(data, len(samples) - 1, samples)
+    _close_open_backward(data, samples)
     memory = _peak(samples, t_ms, phases, index, device)
     if data.history:
         memory["peak_ledger"] = _history_ledger(data, samples, param_ptrs)
@@ -184,16 +205,24 @@ def _history_ledger(
     )
 
 
-def _close_open_backward(data: StepData, last: int, samples: list[Sample]) -> None:
-    """Modules whose inputs take no gradient never report a backward end: close them at the last
-    backward sample of the step."""
-    last_bwd = max((i for i, s in enumerate(samples) if s.event.startswith("bwd")), default=None)
-    if last_bwd is None:
+def _close_open_backward(data: StepData, samples: list[Sample]) -> None:
+    """Modules whose inputs take no gradient never report a backward end: close each at the last
+    backward sample of its own backward pass, the one before the next training forward. A step runs
+    several passes (micro-batches; LBFGS calls its closure, a forward and a backward, several times
+    in one optimizer step): closing them all at the step's last backward sample summed overlapping
+    spans, and gave the root a backward longer than its step."""
+    backward = [i for i, s in enumerate(samples) if s.event.startswith("bwd")]
+    if not backward:
         return
+    forwards = [i for i, s in enumerate(samples) if s.event == "fwd_pre" and s.depth == 0]
     for key, starts in data.bwd_open.items():
         for start in starts:
-            if start <= last_bwd:
-                data.bwd_pairs.append((key, start, last_bwd))
+            if start > backward[-1]:
+                continue
+            nxt = bisect.bisect_right(forwards, start)
+            limit = forwards[nxt] if nxt < len(forwards) else len(samples)
+            end = backward[bisect.bisect_left(backward, limit) - 1]
+            data.bwd_pairs.append((key, start, max(start, end)))
         starts.clear()
 
 
@@ -300,12 +329,9 @@ def _module_columns(
         put("grad_bytes", loc, n)
     for loc, n in data.opt_bytes.items():
         put("optimizer_state_bytes", loc, n)
-    for key, a, b in data.fwd_pairs:
-        if b < len(t_ms):
-            put("forward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
-    for key, a, b in data.bwd_pairs:
-        if b < len(t_ms):
-            put("backward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
+    for col, pairs in (("forward_ms", data.fwd_pairs), ("backward_ms", data.bwd_pairs)):
+        for key, ms in _busy_ms(pairs, t_ms).items():
+            put(col, index.get(key), ms)
     # None where not measured: modules below the timing depth, and backward where none ran (a step
     # cut short in its forward).
     timed = {
@@ -316,6 +342,26 @@ def _module_columns(
         for col, locs in timed.items():
             c[col] = [round(x, 4) if (m, i) in locs else None for i, x in enumerate(c[col])]
     return cols
+
+
+def _busy_ms(pairs: list[tuple[int, int, int]], t_ms: list[float]) -> dict[int, float]:
+    """Per module, the time at least one of its calls ran: the union of its (start, end) spans, not
+    their sum. Spans of one module can overlap: an RNN cell's backward for one time step starts as
+    the next one's ends, at the same tensor's hooks; summed, a cell called 20 times a pass came out
+    longer than the model that calls it."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for key, a, b in pairs:
+        if b < len(t_ms):
+            spans.setdefault(key, []).append((t_ms[a], max(t_ms[a], t_ms[b])))
+    out: dict[int, float] = {}
+    for key, found in spans.items():
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(found):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        out[key] = total
+    return out
 
 
 _INT_COLUMNS = (
