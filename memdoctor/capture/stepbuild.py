@@ -132,6 +132,7 @@ def build_step(
     param_ptrs: dict[int, int] | None = None,
     release: bool = True,
     detailed: bool = True,
+    parents: dict[int, list[int]] | None = None,
 ) -> StepRecord:
     samples = data.samples[:upto]
     markers = [s.marker for s in samples]
@@ -152,7 +153,7 @@ def build_step(
         phases_ms={k: round(v, 4) for k, v in phases_ms.items()},
         micro_batches=max(1, data.forwards),
         memory=memory,
-        modules=_module_columns(data, t_ms, index) if detailed else {},
+        modules=_module_columns(data, t_ms, index, parents or {}) if detailed else {},
         timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
         detail="full" if detailed else "timing",
     )
@@ -302,7 +303,7 @@ def _allocator(samples: list[Sample], with_mem: list[int], device: Device) -> di
 
 
 def _module_columns(
-    data: StepData, t_ms: list[float], index: dict[int, tuple[int, int]]
+    data: StepData, t_ms: list[float], index: dict[int, tuple[int, int]], parents: dict[int, list[int]]
 ) -> dict[int, dict[str, list[Any]]]:
     sizes: dict[int, int] = {}
     for model, i in index.values():
@@ -330,8 +331,8 @@ def _module_columns(
     for loc, n in data.opt_bytes.items():
         put("optimizer_state_bytes", loc, n)
     for col, pairs in (("forward_ms", data.fwd_pairs), ("backward_ms", data.bwd_pairs)):
-        for key, ms in _busy_ms(pairs, t_ms).items():
-            put(col, index.get(key), ms)
+        for loc, ms in _busy_ms(pairs, t_ms, index, parents).items():
+            put(col, loc, ms)
     # None where not measured: modules below the timing depth, and backward where none ran (a step
     # cut short in its forward).
     timed = {
@@ -344,24 +345,40 @@ def _module_columns(
     return cols
 
 
-def _busy_ms(pairs: list[tuple[int, int, int]], t_ms: list[float]) -> dict[int, float]:
-    """Per module, the time at least one of its calls ran: the union of its (start, end) spans, not
-    their sum. Spans of one module can overlap: an RNN cell's backward for one time step starts as
-    the next one's ends, at the same tensor's hooks; summed, a cell called 20 times a pass came out
-    longer than the model that calls it."""
-    spans: dict[int, list[tuple[float, float]]] = {}
+def _busy_ms(
+    pairs: list[tuple[int, int, int]],
+    t_ms: list[float],
+    index: dict[int, tuple[int, int]],
+    parents: dict[int, list[int]],
+) -> dict[tuple[int, int], float]:
+    """Per module, the time it or a module inside it ran: the union of its calls' (start, end) spans
+    and its submodules', not their sum. Spans overlap: an RNN cell's backward for one time step
+    starts as the next one's ends, at the same tensor's hooks (summed, a cell called 20 times a pass
+    came out longer than the model calling it), and a module and its only child share their input
+    and output tensors, whose hooks fire child first. So no module outlasts its parent or its step."""
+    spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for key, a, b in pairs:
-        if b < len(t_ms):
-            spans.setdefault(key, []).append((t_ms[a], max(t_ms[a], t_ms[b])))
-    out: dict[int, float] = {}
-    for key, found in spans.items():
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(found):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        out[key] = total
-    return out
+        loc = index.get(key)
+        if loc is not None and b < len(t_ms):
+            spans.setdefault(loc, []).append((t_ms[a], max(t_ms[a], t_ms[b])))
+    timed = set(spans)
+    for model, i in sorted(timed, key=lambda loc: (loc[0], -loc[1])):  # children follow parents
+        up = parents.get(model) or []
+        p = up[i] if i < len(up) else -1
+        while p >= 0 and (model, p) not in timed:  # a container never called itself (a ModuleList)
+            p = up[p] if p < len(up) else -1
+        if p >= 0:
+            spans[(model, p)] += spans[(model, i)]
+    return {loc: _union_ms(found) for loc, found in spans.items()}
+
+
+def _union_ms(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 _INT_COLUMNS = (

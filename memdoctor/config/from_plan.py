@@ -33,7 +33,7 @@ def from_plan(
     """The config for ``summary["plan"]`` (the planner's chosen, else closest, config)."""
     levers = config_from_dict(plan.get("config") or {})
     k = levers.accumulation_steps
-    model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
+    model = _planned_model(trace, plan.get("model"))
     micro = batch_size // k if batch_size and batch_size % k == 0 else None
     ratio = plan.get("predicted_step_time_ratio")
     return PlanConfig(
@@ -44,12 +44,20 @@ def from_plan(
             trace=trace_path,
             model_class=model.cls if model is not None else None,
             module_count=len(model.names) if model is not None else None,
+            param_count=sum(model.param_counts) if model is not None else None,
             budget_bytes=plan.get("budget_bytes"),
             fits=plan.get("fits"),
             predicted_peak_bytes=plan.get("predicted_peak_bytes"),
             predicted_step_time_ratio=None if ratio is None else float(ratio),
         ),
     )
+
+
+def _planned_model(trace: Any, index: Any) -> Any:
+    """The trace's model whose modules the plan names (``plan["model"]``; the first in plans from
+    before it was recorded)."""
+    models = list(getattr(trace, "models", None) or [])
+    return next((m for m in models if m.index == index), models[0] if models else None)
 
 
 def _plan_scaler(plan: dict[str, Any]) -> GradScalerSettings:

@@ -32,7 +32,7 @@ from memdoctor.levers.loader import LoaderSettings
 from memdoctor.levers.microbatch import MicroBatching
 from memdoctor.levers.offload import install_offload
 from memdoctor.levers.padding import PaddingTrim
-from memdoctor.levers.targets import ModelWatch, optimizers_of
+from memdoctor.levers.targets import ModelWatch, describes, optimizers_of
 from memdoctor.patching import Undo, wrap_forward
 from memdoctor.units import first_names
 
@@ -63,6 +63,7 @@ class Installation:
     _loader: LoaderSettings | None = None
     _padding: PaddingTrim | None = None
     _first: nn.Module | None = None  # a root passed over for another model class
+    _near: nn.Module | None = None  # a root with the planned modules, but not the model described
 
     def applied(self, line: str) -> None:
         self.lines.append(line)
@@ -101,21 +102,33 @@ class Installation:
     # ------------------------------------------------------------------ when the model is found
 
     def accept(self, root: nn.Module) -> bool:
-        """Is ``root`` the model the config was made for? A stale config stops the run here."""
+        """Is ``root`` the model the config was made for? A stale config stops the run here.
+
+        The planned modules must be there, and the model must be the one the provenance describes
+        (``describes``): a script's other model may have modules of the same names (dcgan's
+        generator and discriminator). A root with the modules that is not the one described is taken
+        only if no better one is built before the first optimizer step (``missing``)."""
         cls = type(root).__name__
         names = {name for name, _ in root.named_modules()}
+        p = self.config.provenance
         if all(n in names for n in (*self.config.checkpoint, *self.config.offload_parameters)):
-            return True
-        other = self.config.provenance.model_class
-        if other and other != cls:
+            if describes(root, p.model_class, p.module_count, p.param_count):
+                return True
+            self._near = self._near or root
+            return False
+        if p.model_class and p.model_class != cls:
             self._first = self._first or root
             return False  # perhaps another model of the script (a critic); keep looking until a step
         self._stale(root)
         return False
 
     def missing(self) -> None:
-        """An optimizer steps and no model matched the config: stop, naming what the config lacks."""
-        if self._first is not None:
+        """An optimizer steps and no model matched the config exactly: apply it to the root that has
+        its modules (a model changed since the plan: ``on_model`` says so), else stop, naming what the
+        config lacks."""
+        if self._near is not None:
+            self.on_model(self._near)
+        elif self._first is not None:
             self._stale(self._first)
 
     def _stale(self, root: nn.Module) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from memdoctor.capture.discovery import find_trained_roots, optimizer_params
+from memdoctor.capture.discovery import find_trained_roots, optimizer_params, storage_key
 from memdoctor.patching import Undo, set_attr
 
 
@@ -73,6 +73,31 @@ class ModelWatch:
                 self.stop()
                 self._on_model(root)
                 return
+
+
+def describes(
+    root: nn.Module, model_class: str | None, module_count: int | None, param_count: int | None
+) -> bool:
+    """Whether ``root`` is the model a plan was made for, by what the plan's provenance recorded of it
+    (each figure only where recorded): its class, and its module and parameter counts as the profiler
+    counts them (``memdoctor.capture.discovery.describe_model``: modules once each, parameters once per
+    storage). A script with several models (a GAN's generator and discriminator, built and first
+    stepped in either order) then gets the plan applied to the model it names, not to the first one
+    whose optimizer it builds: dcgan's two models both have ``main.0`` ... ``main.N``."""
+    if model_class and type(root).__name__ != model_class:
+        return False
+    if module_count is not None and sum(1 for _ in root.named_modules()) != module_count:
+        return False
+    if param_count is None:
+        return True
+    seen: set[int] = set()
+    total = 0
+    for module in root.modules():
+        for p in module.parameters(recurse=False):
+            if storage_key(p) not in seen:
+                seen.add(storage_key(p))
+                total += p.numel()
+    return total == param_count
 
 
 def optimizers_of(model: nn.Module) -> list[torch.optim.Optimizer]:

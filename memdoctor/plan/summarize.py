@@ -57,7 +57,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         pw = corrected_workload(w, choice.correction) if choice.correction > 1.0 else w
         searched = target if choice.margin is None else replace(target, margin=choice.margin)
         made = make_plan(pw, searched, order, avoid=choice.avoided)
-        plan = {**made.as_dict(), "alternatives": alternatives(pw, searched, made)}
+        plan = {**made.as_dict(), "model": pw.model, "alternatives": alternatives(pw, searched, made)}
         if choice.round is not None:
             plan["advice"].insert(0, _verified_advice(choice))
         reprofiled = reprofile_record(trace)

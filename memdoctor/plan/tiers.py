@@ -48,7 +48,7 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
         for p in precisions
-        for o in ("as-is", "offload")
+        for o in optimizer_placements(w, ("as-is", "offload"))
         for extra in _free_levers(w)
     ]
 
@@ -59,12 +59,20 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
     if w.precision_verdict == "fp16_safe" and not target.bf16(w):
         precisions.append("fp16")
-    combos = itertools.product(accumulations(w), precisions, ("as-is", "8bit", "offload"), _free_levers(w))
+    placements = optimizer_placements(w, ("as-is", "8bit", "offload"))
+    combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w))
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
         if p == "fp16" or o == "8bit"
     ]
+
+
+def optimizer_placements(w: Workload, choices: tuple[str, ...]) -> tuple[str, ...]:
+    """``choices`` of the ``optimizer`` lever; only "as-is" for a script without an optimizer (its
+    parameters updated by hand): there is no state to offload or quantise, and ``memdoctor run`` would
+    find no optimizer to apply it to."""
+    return choices if w.has_optimizer else ("as-is",)
 
 
 def accumulations(w: Workload) -> list[int]:

@@ -1,7 +1,8 @@
-"""A GAN loop of pytorch/examples dcgan's shape: each iteration steps the discriminator's optimizer
-(after two backwards, real and fake) and then the generator's (a forward of the discriminator after its
-step). It knows nothing of memdoctor. ``--g-first`` builds and first calls the generator before the
-discriminator, so that the two models are met in the other order."""
+"""A GAN loop of pytorch/examples dcgan's shape: a ``Generator`` and a ``Discriminator``, each holding
+its layers as ``main`` (so both have modules ``main.0``, ``main.1``, ...); each iteration steps the
+discriminator's optimizer (after two backwards, real and fake) and then the generator's (after a forward
+of the discriminator following its step). It knows nothing of memdoctor. ``--d-first`` builds the
+discriminator and its optimizer first, so that the two models are met in the other order."""
 
 from __future__ import annotations
 
@@ -10,37 +11,59 @@ import argparse
 import torch
 from torch import nn
 
-NZ, NF = 8, 16
+
+class Generator(nn.Module):
+    def __init__(self, nz: int, width: int) -> None:
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(nz, width), nn.ReLU(), nn.Linear(width, width), nn.Tanh())
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.main(z)
 
 
-def generator() -> nn.Module:
-    return nn.Sequential(nn.Linear(NZ, NF), nn.ReLU(), nn.Linear(NF, NF), nn.Tanh())
+class Discriminator(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.Linear(width, width),
+            nn.LeakyReLU(0.2),
+            nn.Linear(width, width),
+            nn.LeakyReLU(0.2),
+            nn.Linear(width, 1),
+            nn.Sigmoid(),
+        )
 
-
-def discriminator() -> nn.Module:
-    return nn.Sequential(nn.Linear(NF, NF), nn.LeakyReLU(0.2), nn.Linear(NF, 1), nn.Sigmoid())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--nz", type=int, default=8)
+    parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--d-first", action="store_true", help="build the discriminator first")
     args = parser.parse_args()
     torch.manual_seed(0)
+    betas = (0.5, 0.999)
     if args.d_first:
-        net_d, net_g = discriminator(), generator()
+        net_d = Discriminator(args.width)
+        opt_d = torch.optim.Adam(net_d.parameters(), lr=2e-4, betas=betas)
+        net_g = Generator(args.nz, args.width)
+        opt_g = torch.optim.Adam(net_g.parameters(), lr=2e-4, betas=betas)
     else:
-        net_g, net_d = generator(), discriminator()
-    opt_d = torch.optim.Adam(net_d.parameters(), lr=2e-4, betas=(0.5, 0.999))
-    opt_g = torch.optim.Adam(net_g.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        net_g = Generator(args.nz, args.width)
+        opt_g = torch.optim.Adam(net_g.parameters(), lr=2e-4, betas=betas)
+        net_d = Discriminator(args.width)
+        opt_d = torch.optim.Adam(net_d.parameters(), lr=2e-4, betas=betas)
     criterion = nn.BCELoss()
     for _ in range(args.steps):
-        real = torch.randn(args.batch, NF)
+        real = torch.randn(args.batch, args.width)
         ones, zeros = torch.ones(args.batch, 1), torch.zeros(args.batch, 1)
         net_d.zero_grad()
         criterion(net_d(real), ones).backward()
-        fake = net_g(torch.randn(args.batch, NZ))
+        fake = net_g(torch.randn(args.batch, args.nz))
         criterion(net_d(fake.detach()), zeros).backward()
         opt_d.step()
         net_g.zero_grad()
