@@ -144,7 +144,8 @@ def steps_found(trace: Trace) -> dict[str, Any] | None:
         return {"by": by, "how": how, "optimizers": []}
     names = [str(o.get("class")) for o in optimizers]
     if len(names) > 1:
-        how = f"at optimizer steps: a step ends after the last of its {len(names)} optimizers ({', '.join(names)})"
+        each = ", ".join(names)
+        how = f"at optimizer steps: a step ends after the last of its {len(names)} optimizers ({each})"
     else:
         how = f"at each optimizer step ({names[0] if names else 'optimizer'})"
     return {"by": by, "how": how, "optimizers": names}

@@ -104,7 +104,7 @@ def interval_phases(samples: list[Sample]) -> list[str]:
     """The phase of the interval that ends at each sample. Inside an optimizer step (between its pre-
     and post-hook) what is not forward or backward is the optimizer's own work: LBFGS runs its closure,
     a forward and a backward, several times in one step, and works between those calls."""
-    phases = []
+    phases: list[str] = []
     in_opt = False
     for s in samples:
         if s.event == "fwd_pre":

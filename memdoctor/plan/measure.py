@@ -106,8 +106,8 @@ def planned_model(
     if len(roots) > 1:
         others = ", ".join(f"{index[r['model']].cls} (model {r['model']})" for r in roots if r is not best)
         notes.append(
-            f"{len(roots)} models trained: the plan changes {index[model].cls} (model {model}), which holds the "
-            f"most memory; {others} as profiled"
+            f"{len(roots)} models trained: the plan changes {index[model].cls} (model {model}), which holds "
+            f"the most memory; {others} as profiled"
         )
     names = index[model].names
     return model, [{**r, "name": names[r["index"]]} for r in rows if r["model"] == model]
