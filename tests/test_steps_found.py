@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import runpy
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -21,6 +25,7 @@ from memdoctor.analysis.steps import steps_found
 from memdoctor.capture.session import ProfileSession
 from memdoctor.capture.stepbuild import Sample, StepData, build_step
 from memdoctor.device import FakeDevice
+from memdoctor.levers.install import install
 from memdoctor.levers.targets import describes
 from memdoctor.plan.planner import make_plan
 from memdoctor.plan.target import Target
@@ -394,3 +399,29 @@ def test_the_run_finds_the_planned_model_by_its_provenance_not_its_order() -> No
     assert not describes(g, "Discriminator", 6, count)
     assert not describes(d, "Discriminator", 6, count + 1)  # same class, another size
     assert describes(g, None, None, None)  # a plan from before the provenance: any model
+
+
+def test_run_finds_the_model_of_a_script_without_an_optimizer_at_its_first_forward() -> None:
+    """loop_by_hand.py builds no optimizer: the model is the first top-level module called with
+    gradients on that the plan describes; checkpointing wraps its submodules before they run."""
+    script = Path(__file__).parent / "scripts" / "loop_by_hand.py"
+    lines: list[str] = []
+    config = {
+        "memdoctor_config": 1,
+        "checkpoint": ["body"],
+        "precision": "bf16",
+        "provenance": {"model_class": "Net", "module_count": 7, "param_count": 433},
+    }
+    inst = install(config, say=lines.append)
+    argv = sys.argv
+    try:
+        sys.argv = [str(script), "--steps", "2"]
+        runpy.run_path(str(script), run_name="__main__")
+        notes = inst.finish()
+    finally:
+        sys.argv = argv
+        inst.remove()
+    assert inst.model is not None and type(inst.model).__name__ == "Net"
+    assert "checkpointing 1 modules of Net: body" in lines
+    assert any("found at its first forward" in line for line in lines)
+    assert not notes

@@ -64,6 +64,7 @@ class Installation:
     _padding: PaddingTrim | None = None
     _first: nn.Module | None = None  # a root passed over for another model class
     _near: nn.Module | None = None  # a root with the planned modules, but not the model described
+    _watch: ModelWatch | None = None
 
     def applied(self, line: str) -> None:
         self.lines.append(line)
@@ -83,8 +84,8 @@ class Installation:
         notes = []
         if self.model is None and self._needs_model():
             notes.append(
-                "NOT applied: the script built no optimizer of a model, so checkpoint, precision, "
-                "accumulation and offload had nothing to apply to"
+                "NOT applied: the script built no optimizer of a model, nor called a model the config "
+                "describes, so checkpoint, precision, accumulation and offload had nothing to apply to"
             )
         if self._loader is not None:
             notes.append(self._loader.summary())
@@ -121,6 +122,16 @@ class Installation:
             return False  # perhaps another model of the script (a critic); keep looking until a step
         self._stale(root)
         return False
+
+    def matches(self, root: nn.Module) -> bool:
+        """Whether ``root`` has the planned modules and is the model the provenance describes (for a
+        model met at its first forward, in a script that builds no optimizer: never stops the run)."""
+        names = {name for name, _ in root.named_modules()}
+        p = self.config.provenance
+        wanted = (*self.config.checkpoint, *self.config.offload_parameters)
+        return all(n in names for n in wanted) and describes(
+            root, p.model_class, p.module_count, p.param_count
+        )
 
     def missing(self) -> None:
         """An optimizer steps and no model matched the config exactly: apply it to the root that has
@@ -165,6 +176,11 @@ class Installation:
             self._micro_batching(root, scaling)
         if precision or accumulation:
             self._undo.append(_forward_called(self, root, "precision" if precision else "accumulation_steps"))
+            if self._watch is not None and self._watch.found_at_forward:
+                self.say(
+                    f"note: {cls} was found at its first forward (the script builds no optimizer): "
+                    f"what wraps {cls}.forward applies from its second forward on"
+                )
 
     def _refuse(self, root: nn.Module) -> None:
         c = self.config
@@ -349,7 +365,7 @@ def _install_now(inst: Installation) -> None:
             inst._undo.append(undo)
             inst.applied("padding: trim: each DataLoader batch cut to its longest attention-masked sequence")
     inst._undo.append(inst.backward.install())
-    watch = ModelWatch(inst.accept, inst.on_model, inst.missing)
+    watch = inst._watch = ModelWatch(inst.accept, inst.on_model, inst.missing, inst.matches)
     inst._undo.append(watch.start())
 
 

@@ -113,7 +113,8 @@ def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> lis
     for a in accumulations(w)[1:]:
         config = dataclasses.replace(config, accumulation_steps=a)
         stages.append(config)
-    precision = "bf16" if target.bf16(w) else "fp16" if w.precision_verdict == "fp16_safe" else None
+    fp16 = w.precision_verdict == "fp16_safe" and w.has_optimizer  # its GradScaler needs an optimizer
+    precision = "bf16" if target.bf16(w) else "fp16" if fp16 else None
     if precision:
         stages.append(dataclasses.replace(config, precision=precision))
     return stages

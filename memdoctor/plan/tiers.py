@@ -57,8 +57,8 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
     """Only when nothing in tier one fits: fp16 (where the measured ranges make it safe and the card has
     no bf16) and the 8-bit optimizer."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) else [])
-    if w.precision_verdict == "fp16_safe" and not target.bf16(w):
-        precisions.append("fp16")
+    if w.precision_verdict == "fp16_safe" and not target.bf16(w) and w.has_optimizer:
+        precisions.append("fp16")  # its GradScaler is driven from the optimizer's step
     placements = optimizer_placements(w, ("as-is", "8bit", "offload"))
     combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w))
     return [
@@ -76,5 +76,9 @@ def optimizer_placements(w: Workload, choices: tuple[str, ...]) -> tuple[str, ..
 
 
 def accumulations(w: Workload) -> list[int]:
-    """Micro-batch splits to try; only divisors of the batch when its size was measured."""
+    """Micro-batch splits to try; only divisors of the batch when its size was measured. None for a
+    script without an optimizer: ``memdoctor run`` finds its model at its first forward, too late to
+    split that one, and has no optimizer step to count steps by."""
+    if not w.has_optimizer:
+        return [1]
     return [a for a in ACCUMULATIONS if w.batch_size is None or (w.batch_size % a == 0 and w.batch_size >= a)]
