@@ -10,12 +10,11 @@ the script builds its models in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch

@@ -45,6 +45,7 @@ class BackwardSteps:
         self.marks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._params: list[torch.Tensor] = []
         self._params_of: int = -1  # how many roots the parameter list was made from
+        self._largest: list[torch.Tensor] = []
 
     def ends_step(self) -> bool:
         """At a training forward: whether the step in progress ended before it (no optimizer has
@@ -71,8 +72,7 @@ class BackwardSteps:
         # ``_version`` is the autograd version counter every in-place op bumps (public in effect:
         # torch's own checks on saved tensors read it); reading it costs no device work.
         self.versions = {id(p): p._version for p in params}
-        largest = sorted(params, key=lambda p: -p.numel())[:MARKED_PARAMETERS]
-        self.marks = [(p, p.detach().reshape(-1)[:1].clone()) for p in largest if p.numel()]
+        self.marks = [(p, mark) for p in self._largest if (mark := _first_element(p)) is not None]
 
     def params(self) -> list[torch.Tensor]:
         """The parameters that take gradients, of every top-level module called with gradients on."""
@@ -86,6 +86,7 @@ class BackwardSteps:
                         seen.add(id(p))
                         self._params.append(p)
             self._params_of = len(roots)
+            self._largest = sorted(self._params, key=lambda p: -p.numel())[:MARKED_PARAMETERS]
         return self._params
 
     def _grad_bytes(self) -> dict[tuple[int, int], int]:
@@ -109,7 +110,7 @@ class BackwardSteps:
             return True
         if params and all(p.grad is None for p in params):
             return True
-        return any(not torch.equal(mark, p.detach().reshape(-1)[:1]) for p, mark in self.marks)
+        return any(_changed(p, mark) for p, mark in self.marks)
 
     def close(self) -> None:
         """End the step in progress here (the first time: the script has no optimizer; describe the
@@ -127,3 +128,22 @@ class BackwardSteps:
         s._calls.each("on_optimizer_end", s._step_index)
         s._sample("step_end", None, 0)
         s._finalize_step()
+
+
+def _first_element(p: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``p``'s first element (None where there is none to copy: empty, meta, sparse)."""
+    try:
+        return p.detach().reshape(-1)[:1].clone() if p.numel() and not p.is_meta else None
+    except RuntimeError:
+        return None
+
+
+def _changed(p: torch.Tensor, mark: torch.Tensor) -> bool:
+    """Whether ``p``'s first element differs from ``mark``. A parameter whose data moved to another
+    device since (memdoctor's parameter offload swaps ``p.data`` in and out) was not updated."""
+    if p.device != mark.device or p.is_meta:
+        return False
+    try:
+        return not torch.equal(mark, p.detach().reshape(-1)[:1])
+    except RuntimeError:
+        return False
