@@ -233,7 +233,7 @@ def test_no_steps_at_all() -> None:
     s = build_summary(b.end("no_steps", "the script ended without an optimizer step").build())
     assert s["peak_memory_bytes"] is None and s["steps_profiled"] == 0
     assert s["step_time_ms"] is None and s["phases_ms"] == {}
-    assert s["headline"].startswith("No optimizer step was recorded")
+    assert s["headline"].startswith("No training step was recorded")
     assert all(row["activation_bytes"] is None for row in s["layers"])
 
 

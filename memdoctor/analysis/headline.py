@@ -30,7 +30,7 @@ def headline(summary: dict[str, Any]) -> str:
     if fault:
         return fault_sentence(summary, fault)
     if summary.get("peak_memory_bytes") is None:
-        return "No optimizer step was recorded, so there is no memory figure to report."
+        return "No training step was recorded, so there is no memory figure to report."
     return peak_sentence(summary)
 
 

@@ -124,3 +124,28 @@ def phase_spans(t_ms: list[float], phases: list[Any]) -> list[dict[str, Any]]:
         else:
             spans.append({"phase": phase, "start_ms": start, "end_ms": end})
     return spans
+
+
+def steps_found(trace: Trace) -> dict[str, Any] | None:
+    """How the profiler told the steps apart (the ``steps`` collector record; traces before it found
+    steps at optimizer steps only): ``by`` ("optimizer" or "backward") and ``how``, one line in words.
+    None before any step was found."""
+    by = (trace.collected.get("steps") or {}).get("found_by")
+    optimizers = max((m.optimizers for m in trace.models), key=len, default=[])
+    if by is None:
+        if not optimizers:
+            return None
+        by = "optimizer"
+    if by == "backward":
+        how = (
+            "from backward passes: no torch.optim optimizer stepped, so a step ends at the first training "
+            "forward after the parameters were updated by hand (or their gradients reset)"
+        )
+        return {"by": by, "how": how, "optimizers": []}
+    names = [str(o.get("class")) for o in optimizers]
+    if len(names) > 1:
+        each = ", ".join(names)
+        how = f"at optimizer steps: a step ends after the last of its {len(names)} optimizers ({each})"
+    else:
+        how = f"at each optimizer step ({names[0] if names else 'optimizer'})"
+    return {"by": by, "how": how, "optimizers": names}

@@ -16,7 +16,14 @@ from memdoctor.analysis.faults import event_row, fault_info, live_at_fault
 from memdoctor.analysis.gradnorms import grad_flags, grad_norm_series
 from memdoctor.analysis.layers import ACCOUNTED, module_label, outside_holders, summary_layers
 from memdoctor.analysis.numbers import median
-from memdoctor.analysis.steps import categories_at_peak, median_phases, peak_step, step_peak_bytes, step_rows
+from memdoctor.analysis.steps import (
+    categories_at_peak,
+    median_phases,
+    peak_step,
+    step_peak_bytes,
+    step_rows,
+    steps_found,
+)
 from memdoctor.trace import CATEGORIES, StepRecord, Trace
 from memdoctor.version import __version__
 
@@ -39,6 +46,7 @@ def summary_figures(trace: Trace) -> dict[str, Any]:
         "budget_bytes": trace.settings.get("budget_bytes"),
         "not_measured": not_measured(trace),
         "steps_profiled": len(trace.profiled_steps()),
+        "steps_found": steps_found(trace),
         "step_time_ms": median([s.duration_ms for s in unperturbed(trace.profiled_steps())]),
         "phases_ms": median_phases(trace.detailed_steps()),
         **peak_figures(trace, step),

@@ -3,7 +3,9 @@
 A trained model is a root ``nn.Module`` (not a child of another module) that owns parameters some
 optimizer steps. We learn the optimizers from the global optimizer-step hooks; the roots are found once,
 at the first optimizer step, by scanning the live modules (``gc``), because nothing in PyTorch links a
-parameter back to the module that owns it. Well-known wrappers (DDP, ``torch.compile``) are unwrapped so
+parameter back to the module that owns it. A script without an optimizer (parameters updated by hand)
+trains the top-level modules it calls with gradients on: they are described at its first step's end
+(``memdoctor.capture.backwardsteps``). Well-known wrappers (DDP, ``torch.compile``) are unwrapped so
 names read as the user wrote them (``bert.encoder.layer.3``).
 """
 
@@ -37,6 +39,12 @@ def find_trained_roots(param_ids: set[int]) -> list[nn.Module]:
     modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
     child_ids = {id(c) for m in modules for c in m.children()}
     roots = [_unwrap(m) for m in modules if id(m) not in child_ids]
+    return _drop_covered(_by_share(roots, param_ids), param_ids)
+
+
+def _by_share(roots: list[nn.Module], param_ids: set[int]) -> list[nn.Module]:
+    """``roots`` that own any of ``param_ids``, each once, most owned first (a stable sort: ties keep
+    the order given)."""
     scored = []
     seen: set[int] = set()
     for root in roots:
@@ -47,7 +55,7 @@ def find_trained_roots(param_ids: set[int]) -> list[nn.Module]:
         if owned:
             scored.append((owned, root))
     scored.sort(key=lambda pair: -pair[0])
-    return _drop_covered([r for _, r in scored], param_ids)
+    return [r for _, r in scored]
 
 
 def _drop_covered(roots: list[nn.Module], param_ids: set[int]) -> list[nn.Module]:
@@ -185,6 +193,14 @@ class TrainedModels:
             if any(m.modules[0] is root for m in self.models):
                 continue
             self._add(describe_model(len(self.models), root, self.optimizers))
+
+    def add_trained(self, params: list[torch.Tensor]) -> None:
+        """A script without an optimizer ended its first step: describe the top-level modules seen
+        that own ``params`` (those that take gradients), largest share first, as its models."""
+        ids = {id(p) for p in params}
+        for root in _drop_covered(_by_share([_unwrap(r) for r in self.roots], ids), ids):
+            if not any(m.modules[0] is root for m in self.models):
+                self._add(describe_model(len(self.models), root, self.optimizers))
 
     def add_seen(self) -> None:
         """Describe the top-level modules seen so far as models (for a fault before any optimizer step)."""

@@ -45,10 +45,12 @@ class ForwardStack:
         self.timed_calls_budget = timed_calls_budget
         self.calls_at_depth: dict[int, int] = {}
 
-    def first_step_done(self) -> None:
-        """Pick the timing depth from the first step's module calls (when it was left to us)."""
+    def first_step_done(self, forwards: int) -> None:
+        """Pick the timing depth from the first step's module calls (when it was left to us), per
+        forward: a step may run several (micro-batches, LBFGS's closure calls)."""
         if self.auto_depth:
-            self.time_depth = pick_depth(self.calls_at_depth, self.timed_calls_budget)
+            per_forward = {d: -(-n // max(1, forwards)) for d, n in self.calls_at_depth.items()}
+            self.time_depth = pick_depth(per_forward, self.timed_calls_budget)
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         # Hot path: runs for every module call. Deep (untimed) modules only keep the stack for the

@@ -118,4 +118,6 @@ class OptimizerSteps:
             # discriminator): the steps so far each held a part of a training step, so the first
             # profiled step becomes one more warm-up step, and the profiled steps are whole ones.
             s._schedule.set_warmup(s.warmup + 1)
+        if not s._found.known_opts:
+            s.emit("steps", {"found_by": "optimizer"})
         s._found.add_optimizer(opt)

@@ -4,7 +4,8 @@ allocator's history.
 On CUDA ("auto") the warm-up steps and the first and last profiled steps record the per-module ledger;
 the steps between are timing steps, with only the optimizer hooks and the allocator's peak, so their
 step times are those of the script without memdoctor's per-module work. On a CPU there is no allocator
-peak, so every step is detailed. The allocator's history is recorded for the first step (a script that
+peak, so every step is detailed; so is every step of a script without an optimizer
+(``detail_all``). The allocator's history is recorded for the first step (a script that
 runs out of memory usually does so there) and the first and last profiled steps (CUDA only).
 """
 
@@ -30,6 +31,11 @@ class StepSchedule:
         self.history_steps = {0, warmup, warmup + self.steps - 1}
         if self.detail is not None:
             self.detail = set(range(warmup)) | {warmup, warmup + self.steps - 1}
+
+    def detail_all(self) -> None:
+        """Record every step from now on in full: steps found from backward passes end where the module
+        hooks see a training forward, and timing steps run without them."""
+        self.detail = None
 
     def detailed(self, step: int) -> bool:
         """Whether ``step`` records the per-module ledger (else it is a timing step)."""

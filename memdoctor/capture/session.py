@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memdoctor.capture.backwardsteps import BackwardSteps
 from memdoctor.capture.collectorcalls import CollectorCalls
 from memdoctor.capture.collectors import Collector
 from memdoctor.capture.discovery import DiscoveredModel, TrainedModels
@@ -85,6 +86,7 @@ class ProfileSession:
         self._found = TrainedModels(self._model_added)
         self.models, self._index = self._found.models, self._found.index  # the same objects, shared
         self._steps = OptimizerSteps(self)  # the optimizer hooks: where steps end
+        self._by_backward = BackwardSteps(self)  # where steps end in a script without an optimizer
         self._cycle = self._steps.cycle
         self._step_index = 0
         self._done = False
@@ -187,7 +189,9 @@ class ProfileSession:
 
     def finish(self) -> None:
         """Record the step in progress if it ended with an optimizer step, then stop."""
-        if self._running and self._data.opt_posts and not self._done:
+        if self._running and not self._done and self._by_backward.in_step():
+            self._by_backward.close()
+        elif self._running and self._data.opt_posts and not self._done:
             self._finalize_step()
         self._emit_ready(wait=True)
         self.stop()
@@ -285,6 +289,9 @@ class ProfileSession:
         if data.opt_posts and data.forwards and self._cycle.done():
             self._finalize_step()
             data = self._data
+        elif not self._done and self._by_backward.ends_step():
+            self._by_backward.close()
+            data = self._data
         if self._writer.pending:
             # The finished step goes to disk before the script runs on, so a hard crash keeps it.
             self._emit_ready(wait=False)
@@ -299,10 +306,13 @@ class ProfileSession:
         # backward; further top-level calls (a loss module called outside forward) join it.
         if data.forwards and not data.bwd_since_fwd:
             return
+        if data.forwards:
+            data.close_backward_pass()
         if data.forwards and data.micro:
             data.fold_micro()
         if not data.forwards:
             self._ledger.first_forward()
+        self._by_backward.note_forward()
         data.forwards += 1
         data.bwd_since_fwd = False
 
@@ -358,7 +368,7 @@ class ProfileSession:
         self._schedule.stop_history(data)
         self._writer.pending.append((data, upto, True))
         if self._step_index == 0:
-            self._forward.first_step_done()
+            self._forward.first_step_done(data.forwards)
         self._step_index += 1
         t_start = data.samples[upto - 1] if upto else None
         self._new_step(carry=[t_start, *carry] if t_start is not None else carry)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from memdoctor.capture import gradnorms
+from memdoctor.capture.stepmodules import close_open_backward, module_columns
 from memdoctor.device import Device
 from memdoctor.trace import StepRecord
 
@@ -86,6 +87,18 @@ class StepData:
             self.outside[site] = max(self.outside.get(site, 0), n)
         self.outside_micro = {}
 
+    def close_backward_pass(self) -> None:
+        """A new forward starts (a micro-batch, or LBFGS calling its closure again): modules whose
+        inputs take no gradient never report their backward's end, so their spans still open end at
+        the last backward sample so far. Left open, the next pass's first backward end would pair with
+        them, and every pair after it would span two passes."""
+        if not any(self.bwd_open.values()):
+            return
+        last = next((i for i in range(len(self.samples) - 1, -1, -1) if self.samples[i].event[0] == "b"), -1)
+        for key, starts in self.bwd_open.items():
+            self.bwd_pairs += [(key, start, last) for start in starts if start <= last]
+            starts.clear()
+
     def last_opt_post_index(self) -> int:
         for i in range(len(self.samples) - 1, -1, -1):
             if self.samples[i].event == "opt_post":
@@ -104,15 +117,23 @@ _EVENT_PHASE = {
 
 
 def interval_phases(samples: list[Sample]) -> list[str]:
-    """The phase of the interval that ends at each sample."""
-    phases = []
+    """The phase of the interval that ends at each sample. Inside an optimizer step (between its pre-
+    and post-hook) what is not forward or backward is the optimizer's own work: LBFGS runs its closure,
+    a forward and a backward, several times in one step, and works between those calls."""
+    phases: list[str] = []
+    in_opt = False
     for s in samples:
         if s.event == "fwd_pre":
-            phases.append("forward" if s.depth > 0 else "other")
+            phase = "forward" if s.depth > 0 else "other"
         elif s.event == "fault":
-            phases.append(phases[-1] if phases else "other")
+            phase = phases[-1] if phases else "other"
         else:
-            phases.append(_EVENT_PHASE.get(s.event, "other"))
+            phase = _EVENT_PHASE.get(s.event, "other")
+        phases.append("optimizer" if in_opt and phase == "other" else phase)
+        if s.event == "opt_pre":
+            in_opt = True
+        elif s.event == "opt_post":
+            in_opt = False
     return phases
 
 
@@ -127,6 +148,7 @@ def build_step(
     param_ptrs: dict[int, int] | None = None,
     release: bool = True,
     detailed: bool = True,
+    parents: dict[int, list[int]] | None = None,
 ) -> StepRecord:
     samples = data.samples[:upto]
     markers = [s.marker for s in samples]
@@ -135,7 +157,7 @@ def build_step(
     phases_ms = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
     for i in range(1, len(samples)):
         phases_ms[phases[i]] += max(0.0, t_ms[i] - t_ms[i - 1])
-    _close_open_backward(data, len(samples) - 1, samples)
+    close_open_backward(data, samples)
     memory = _peak(samples, t_ms, phases, index, device)
     if data.history:
         memory["peak_ledger"] = _history_ledger(data, samples, param_ptrs)
@@ -149,7 +171,7 @@ def build_step(
         phases_ms={k: round(v, 4) for k, v in phases_ms.items()},
         micro_batches=max(1, data.forwards),
         memory=memory,
-        modules=_module_columns(data, t_ms, index) if detailed else {},
+        modules=module_columns(data, t_ms, index, parents or {}) if detailed else {},
         timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
         detail="full" if detailed else "timing",
     )
@@ -218,19 +240,6 @@ def _history_ledger(
     return ledger_at_peak(
         data.history, baseline=data.history_baseline, baseline_known=baseline_known, known=known
     )
-
-
-def _close_open_backward(data: StepData, last: int, samples: list[Sample]) -> None:
-    """Modules whose inputs take no gradient never report a backward end: close them at the last
-    backward sample of the step."""
-    last_bwd = max((i for i, s in enumerate(samples) if s.event.startswith("bwd")), default=None)
-    if last_bwd is None:
-        return
-    for key, starts in data.bwd_open.items():
-        for start in starts:
-            if start <= last_bwd:
-                data.bwd_pairs.append((key, start, last_bwd))
-        starts.clear()
 
 
 def _accounted(s: Sample) -> int:
@@ -306,69 +315,6 @@ def _allocator(samples: list[Sample], with_mem: list[int], device: Device) -> di
     }
     out.update(device.allocator_counters() or {})
     return out
-
-
-def _module_columns(
-    data: StepData, t_ms: list[float], index: dict[int, tuple[int, int]]
-) -> dict[int, dict[str, list[Any]]]:
-    sizes: dict[int, int] = {}
-    for model, i in index.values():
-        sizes[model] = max(sizes.get(model, 0), i + 1)
-    cols = {m: _empty_columns(n) for m, n in sizes.items()}
-
-    def put(col: str, loc: tuple[int, int] | None, value: float) -> None:
-        if loc is not None:
-            cols[loc[0]][col][loc[1]] += value
-
-    for key, n in data.act_incl.items():
-        put("activation_bytes", index.get(key), n)
-    for key, n in data.act_self.items():
-        put("activation_self_bytes", index.get(key), n)
-    for key, free in data.ckpt_free.items():
-        loc = index.get(key)
-        if free is None and loc is not None:
-            cols[loc[0]]["checkpoint_free_bytes"][loc[1]] = None
-        else:
-            put("checkpoint_free_bytes", loc, max(0, free or 0))
-    for key, n in data.calls.items():
-        put("calls", index.get(key), n)
-    for loc, n in data.grad_bytes.items():
-        put("grad_bytes", loc, n)
-    for loc, n in data.opt_bytes.items():
-        put("optimizer_state_bytes", loc, n)
-    for key, a, b in data.fwd_pairs:
-        if b < len(t_ms):
-            put("forward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
-    for key, a, b in data.bwd_pairs:
-        if b < len(t_ms):
-            put("backward_ms", index.get(key), max(0.0, t_ms[b] - t_ms[a]))
-    # None where not measured: modules below the timing depth, and backward where none ran (a step
-    # cut short in its forward).
-    timed = {
-        "forward_ms": {index[k] for k, _, _ in data.fwd_pairs if k in index},
-        "backward_ms": {index[k] for k, _, _ in data.bwd_pairs if k in index},
-    }
-    for m, c in cols.items():
-        for col, locs in timed.items():
-            c[col] = [round(x, 4) if (m, i) in locs else None for i, x in enumerate(c[col])]
-    return cols
-
-
-_INT_COLUMNS = (
-    "activation_bytes",
-    "activation_self_bytes",
-    "checkpoint_free_bytes",
-    "grad_bytes",
-    "optimizer_state_bytes",
-    "calls",
-)
-
-
-def _empty_columns(n: int) -> dict[str, list[Any]]:
-    cols: dict[str, list[Any]] = {c: [0] * n for c in _INT_COLUMNS}
-    cols["forward_ms"] = [0.0] * n
-    cols["backward_ms"] = [0.0] * n
-    return cols
 
 
 def _timeline(

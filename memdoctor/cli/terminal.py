@@ -55,6 +55,9 @@ def _summary_rows(summary: dict[str, Any], status: str | None, message: str | No
         rows.append(("device", escape(_device_text(device))))
     if "steps_profiled" in summary:
         rows.append(("steps profiled", str(summary["steps_profiled"])))
+    found = summary.get("steps_found") or {}
+    if found.get("by") == "backward" or len(found.get("optimizers") or []) > 1:
+        rows.append(("steps found", escape(str(found["how"]))))
     if summary.get("peak_memory_bytes") is not None:
         rows.append(("peak memory", _peak_text(summary)))
     categories = summary.get("categories") or {}

@@ -61,6 +61,7 @@ class Provenance:
     trace: str | None = None
     model_class: str | None = None
     module_count: int | None = None
+    param_count: int | None = None  # with model_class and module_count: which of several models
     budget_bytes: int | None = None
     fits: bool | None = None
     predicted_peak_bytes: int | None = None
@@ -291,7 +292,7 @@ def _provenance(value: Any, src: str) -> Provenance:
         raise ConfigError(f"{src}: provenance.predicted_step_time_ratio must be a number")
     ints = {
         k: None if m.get(k) is None else _int(m[k], f"provenance.{k}", src, minimum=0)
-        for k in ("module_count", "budget_bytes", "predicted_peak_bytes")
+        for k in ("module_count", "param_count", "budget_bytes", "predicted_peak_bytes")
     }
     return Provenance(
         trace=_opt_str(m.get("trace"), "provenance.trace", src),

@@ -39,7 +39,7 @@ def from_plan(
         # Not for fp16: the file's fp16 comes with memdoctor's loss scaling, the script has its own.
         levers = dataclasses.replace(levers, precision="bf16")
     k = levers.accumulation_steps
-    model = trace.models[0] if trace is not None and getattr(trace, "models", None) else None
+    model = _planned_model(trace, plan.get("model"))
     micro = batch_size // k if batch_size and batch_size % k == 0 else None
     ratio = plan.get("predicted_step_time_ratio")
     split = (
@@ -55,6 +55,7 @@ def from_plan(
             trace=trace_path,
             model_class=model.cls if model is not None else None,
             module_count=len(model.names) if model is not None else None,
+            param_count=sum(model.param_counts) if model is not None else None,
             budget_bytes=plan.get("budget_bytes"),
             fits=plan.get("fits"),
             predicted_peak_bytes=plan.get("predicted_peak_bytes"),
@@ -63,6 +64,13 @@ def from_plan(
             verify_note=plan.get("verify_note"),
         ),
     )
+
+
+def _planned_model(trace: Any, index: Any) -> Any:
+    """The trace's model whose modules the plan names (``plan["model"]``; the first in plans from
+    before it was recorded)."""
+    models = list(getattr(trace, "models", None) or [])
+    return next((m for m in models if m.index == index), models[0] if models else None)
 
 
 def _plan_scaler(plan: dict[str, Any]) -> GradScalerSettings:

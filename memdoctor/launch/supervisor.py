@@ -288,7 +288,7 @@ def _ended(kind: str, last: dict[str, Any], steps: int) -> tuple[str, int, str]:
     if code != exitcodes.SCRIPT_OK:
         return "script_exit", exitcodes.SCRIPT_FAILED, f"the script {how} after {steps} complete steps"
     if steps == 0:
-        return "no_steps", exitcodes.NO_STEPS, f"the script {how} without calling an optimizer step"
+        return "no_steps", exitcodes.NO_STEPS, f"the script {how} without a training step (no backward)"
     status = "script_finished" if kind == "script_finished" else "script_exit"
     return status, exitcodes.OK, f"the script {how} after {steps} complete steps"
 

@@ -35,7 +35,7 @@ from memdoctor.levers.offload import install_offload
 from memdoctor.levers.offload_full import FullOffload, class_name, model_for, not_sharded
 from memdoctor.levers.padding import PaddingTrim
 from memdoctor.levers.scriptargs import ScriptArguments
-from memdoctor.levers.targets import ModelWatch, optimizers_of
+from memdoctor.levers.targets import ModelWatch, describes, optimizers_of
 from memdoctor.patching import Undo, wrap_forward
 from memdoctor.units import first_names
 
@@ -68,6 +68,8 @@ class Installation:
     _split: LoopSplit | ScriptArguments | None = None  # micro-batching outside the forward
     _first: nn.Module | None = None  # a root passed over for another model class
     _full: FullOffload | None = None
+    _near: nn.Module | None = None  # a root with the planned modules, but not the model described
+    _watch: ModelWatch | None = None
 
     def applied(self, line: str) -> None:
         self.lines.append(line)
@@ -87,8 +89,8 @@ class Installation:
         notes = []
         if self.model is None and self._needs_model():
             notes.append(
-                "NOT applied: the script built no optimizer of a model, so checkpoint, precision, "
-                "accumulation and offload had nothing to apply to"
+                "NOT applied: the script built no optimizer of a model, nor called a model the config "
+                "describes, so checkpoint, precision, accumulation and offload had nothing to apply to"
             )
         if self._loader is not None:
             notes.append(self._loader.summary())
@@ -117,21 +119,43 @@ class Installation:
     # ------------------------------------------------------------------ when the model is found
 
     def accept(self, root: nn.Module) -> bool:
-        """Is ``root`` the model the config was made for? A stale config stops the run here."""
+        """Is ``root`` the model the config was made for? A stale config stops the run here.
+
+        The planned modules must be there, and the model must be the one the provenance describes
+        (``describes``): a script's other model may have modules of the same names (dcgan's
+        generator and discriminator). A root with the modules that is not the one described is taken
+        only if no better one is built before the first optimizer step (``missing``)."""
         cls = class_name(root)
         names = {name for name, _ in root.named_modules()}
+        p = self.config.provenance
         if all(n in names for n in (*self.config.checkpoint, *self.config.offload_parameters)):
-            return True
-        other = self.config.provenance.model_class
-        if other and other != cls:
+            if describes(root, p.model_class, p.module_count, p.param_count):
+                return True
+            self._near = self._near or root
+            return False
+        if p.model_class and p.model_class != cls:
             self._first = self._first or root
             return False  # perhaps another model of the script (a critic); keep looking until a step
         self._stale(root)
         return False
 
+    def matches(self, root: nn.Module) -> bool:
+        """Whether ``root`` has the planned modules and is the model the provenance describes (for a
+        model met at its first forward, in a script that builds no optimizer: never stops the run)."""
+        names = {name for name, _ in root.named_modules()}
+        p = self.config.provenance
+        wanted = (*self.config.checkpoint, *self.config.offload_parameters)
+        return all(n in names for n in wanted) and describes(
+            root, p.model_class, p.module_count, p.param_count
+        )
+
     def missing(self) -> None:
-        """An optimizer steps and no model matched the config: stop, naming what the config lacks."""
-        if self._first is not None:
+        """An optimizer steps and no model matched the config exactly: apply it to the root that has
+        its modules (a model changed since the plan: ``on_model`` says so), else stop, naming what the
+        config lacks."""
+        if self._near is not None:
+            self.on_model(self._near)
+        elif self._first is not None:
             self._stale(self._first)
 
     def _stale(self, root: nn.Module) -> None:
@@ -170,6 +194,11 @@ class Installation:
             self._micro_batching(root, scaling)
         if precision or accumulation:
             self._undo.append(_forward_called(self, root, "precision" if precision else "accumulation_steps"))
+            if self._watch is not None and self._watch.found_at_forward:
+                self.say(
+                    f"note: {cls} was found at its first forward (the script builds no optimizer): "
+                    f"what wraps {cls}.forward applies from its second forward on"
+                )
 
     def _refuse(self, root: nn.Module) -> None:
         c = self.config
@@ -368,7 +397,7 @@ def _install_now(inst: Installation) -> None:
         inst._start_full_offload()
     if c.accumulation_steps > 1 and c.accumulation_split in ("loader", "arguments"):
         _split_outside(inst)
-    watch = ModelWatch(inst.accept, inst.on_model, inst.missing)
+    watch = inst._watch = ModelWatch(inst.accept, inst.on_model, inst.missing, inst.matches)
     inst._undo.append(watch.start())
 
 

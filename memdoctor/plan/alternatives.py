@@ -104,7 +104,8 @@ def hand_tuning_baseline(trace: Trace, w: Workload, target: Target) -> Predictio
 def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
     """The cumulative configs of the hand-tuning order (checkpoints are chosen per stage by the caller)."""
     holders = tuple(h.name for h in w.param_holders)
-    config = Config() if checkpointing else Config(optimizer="offload", offload_parameters=holders)
+    placement = "offload" if w.has_optimizer else "as-is"
+    config = Config() if checkpointing else Config(optimizer=placement, offload_parameters=holders)
     stages = [config]
     if w.padding is not None:
         config = dataclasses.replace(config, padding="trim", pad_to_multiple_of=PAD_MULTIPLE)
@@ -112,7 +113,8 @@ def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> lis
     for a in accumulations(w)[1:]:
         config = dataclasses.replace(config, accumulation_steps=a)
         stages.append(config)
-    precision = "bf16" if target.bf16(w) else "fp16" if w.precision_verdict == "fp16_safe" else None
+    fp16 = w.precision_verdict == "fp16_safe" and w.has_optimizer  # its GradScaler needs an optimizer
+    precision = "bf16" if target.bf16(w) else "fp16" if fp16 else None
     if precision and w.script_autocast is None:  # a script under its own autocast keeps it
         stages.append(dataclasses.replace(config, precision=precision))
     return stages

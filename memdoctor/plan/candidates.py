@@ -51,6 +51,8 @@ def extrapolate_blocks(
     by_key = {(r["model"], r["index"]): r for r in rows}
     added, extra = 0, []
     for info in trace.models:
+        if (info.index, 0) not in by_key:
+            continue  # a model the plan does not change (memdoctor.plan.measure.planned_model)
         for blocks in repeated_blocks(info):
             ran = [by_key[(info.index, i)] for i in blocks if by_key[(info.index, i)]["calls"]]
             rest = [by_key[(info.index, i)] for i in blocks if not by_key[(info.index, i)]["calls"]]

@@ -37,14 +37,16 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     outside = outside_holders(trace, step)
     notes: list[str] = []
     params = sum(r["param_bytes"] for r in rows)
-    grads, opt = _state(rows, params, notes)
+    has_optimizer = (summary.get("steps_found") or {}).get("by") != "backward"
+    grads, opt = _state(rows, params, notes, has_optimizer)
     accounted = sum(
         int(cats.get(c) or 0) for c in ("parameters", "gradients", "optimizer_state", "activations")
     )
     rest = max(0, int(peak) - accounted)
     temporaries = _temporaries(summary, rest, notes)
     complete = not summary.get("peak_from_incomplete_step")
-    cands = candidates(trace, rows, notes)
+    model, own = planned_model(trace, rows, notes)
+    cands = candidates(trace, own, notes)
     pad, pad_why = padding_facts(trace, summary)
     amp_share, matmul_bytes = amp_figures(trace, summary, rows, notes, outside)
     script = summary.get("script_precision") or {}
@@ -53,7 +55,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         notes.append(split.why_not)
     missing = 0
     if not complete:
-        missing, extra = extrapolate_blocks(trace, rows, notes)
+        missing, extra = extrapolate_blocks(trace, own, notes)
         cands += extra
     return Workload(
         peak_bytes=int(peak),
@@ -82,7 +84,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         padding=pad,
         padding_unavailable=pad_why,
         attention_temporaries=attention_temporaries(summary, temporaries),
-        param_holders=param_holders(rows),
+        param_holders=param_holders(own),
         device_name=_device_name(summary),
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
@@ -95,7 +97,37 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         if script.get("device_type") == "cuda"
         else None,
         split=split,
+        has_optimizer=has_optimizer,
+        model=model,
     )
+
+
+def planned_model(
+    trace: Trace, rows: list[dict[str, Any]], notes: list[str]
+) -> tuple[int, list[dict[str, Any]]]:
+    """The model whose modules the plan names, and its rows, named as in the model (without the
+    ``modelN:`` prefix of the report's tables, so that ``memdoctor run`` finds them in it).
+
+    A config names modules by their path in one model (``checkpoint``, ``offload_parameters``), and
+    ``memdoctor run`` applies it to the model of that class (``provenance``): with several models (a
+    GAN's generator and discriminator), the plan changes the one holding the most memory, activations
+    and parameters together, and says so."""
+    index = {info.index: info for info in trace.models}
+    roots = [r for r in rows if r["depth"] == 0 and r["model"] in index]
+    if not roots:
+        return 0, rows
+    best = max(
+        roots, key=lambda r: ((r["activation_bytes"] or 0) + r["inclusive"]["parameters"], -r["model"])
+    )
+    model = int(best["model"])
+    if len(roots) > 1:
+        others = ", ".join(f"{index[r['model']].cls} (model {r['model']})" for r in roots if r is not best)
+        notes.append(
+            f"{len(roots)} models trained: the plan changes {index[model].cls} (model {model}), which holds "
+            f"the most memory; {others} as profiled"
+        )
+    names = index[model].names
+    return model, [{**r, "name": names[r["index"]]} for r in rows if r["model"] == model]
 
 
 def attention_temporaries(summary: dict[str, Any], temporaries: int) -> int:
@@ -119,14 +151,15 @@ def _window(summary: dict[str, Any]) -> tuple[int, int] | None:
     return (int(window[0]), int(window[1])) if isinstance(window, list) and len(window) == 2 else None
 
 
-def _state(rows: list[dict[str, Any]], params: int, notes: list[str]) -> tuple[int, int]:
-    """All gradients and optimizer state, from the per-module columns; assumed when never measured."""
+def _state(rows: list[dict[str, Any]], params: int, notes: list[str], has_optimizer: bool) -> tuple[int, int]:
+    """All gradients and optimizer state, from the per-module columns; assumed when never measured
+    (but none for a script without an optimizer)."""
     grads = sum(r["grad_bytes"] or 0 for r in rows)
     opt = sum(r["optimizer_state_bytes"] or 0 for r in rows)
     if grads == 0:
         grads = params
         notes.append("gradients not measured (no backward finished): assumed one per parameter byte")
-    if opt == 0:
+    if opt == 0 and has_optimizer:
         opt = int(ASSUMED_ADAM_STATE_FACTOR * params)
         notes.append(
             "optimizer state not measured (no optimizer step ran): assumed AdamW, 2x the parameter bytes"

@@ -57,7 +57,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         pw = corrected_workload(w, choice.correction) if choice.correction > 1.0 else w
         searched = target if choice.margin is None else replace(target, margin=choice.margin)
         made = make_plan(pw, searched, order, avoid=choice.avoided, exclude=choice.excluded)
-        plan = {**made.as_dict(), "alternatives": alternatives(pw, searched, made)}
+        plan = {**made.as_dict(), "model": pw.model, "alternatives": alternatives(pw, searched, made)}
         # what the plan's precision starts from (its "fp32" keeps a script's own autocast)
         plan["script_precision"] = w.script_precision
         plan["script_autocast"] = w.script_autocast

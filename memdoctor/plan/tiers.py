@@ -50,7 +50,7 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
         for p in precisions
-        for o in ("as-is", "offload")
+        for o in optimizer_placements(w, ("as-is", "offload"))
         for extra in _free_levers(w)
     ] + full_offload_configs(w, target, precisions)
 
@@ -59,9 +59,11 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
     """Only when nothing in tier one fits: fp16 (where the measured ranges make it safe and the card has
     no bf16) and the 8-bit optimizer."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) and w.script_autocast is None else [])
-    if w.precision_verdict == "fp16_safe" and not target.bf16(w) and w.script_autocast is None:
+    fp16 = w.precision_verdict == "fp16_safe" and not target.bf16(w) and w.script_autocast is None
+    if fp16 and w.has_optimizer:  # its GradScaler is driven from the optimizer's step
         precisions.append("fp16")
-    combos = itertools.product(accumulations(w), precisions, ("as-is", "8bit", "offload"), _free_levers(w))
+    placements = optimizer_placements(w, ("as-is", "8bit", "offload"))
+    combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w))
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
@@ -86,9 +88,20 @@ def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> 
     ]
 
 
+def optimizer_placements(w: Workload, choices: tuple[str, ...]) -> tuple[str, ...]:
+    """``choices`` of the ``optimizer`` lever; only "as-is" for a script without an optimizer (its
+    parameters updated by hand): there is no state to offload or quantise, and ``memdoctor run`` would
+    find no optimizer to apply it to."""
+    return choices if w.has_optimizer else ("as-is",)
+
+
 def accumulations(w: Workload) -> list[int]:
     """Micro-batch splits to try: only where a split applies to this script (``memdoctor.plan.splits``:
-    known before it is proposed), and only divisors of the batch when its size was measured."""
+    known before it is proposed), and only divisors of the batch when its size was measured. None for a
+    script without an optimizer: ``memdoctor run`` finds its model at its first forward, too late to
+    split that one, and has no optimizer step to count steps by."""
+    if not w.has_optimizer:
+        return [1]
     sized = [
         a for a in ACCUMULATIONS if w.batch_size is None or (w.batch_size % a == 0 and w.batch_size >= a)
     ]

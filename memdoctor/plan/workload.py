@@ -82,6 +82,11 @@ class Workload:
     # The script as it is ran out of memory under this budget (this workload then comes from a re-profile
     # at a smaller micro-batch, scaled back to the full batch): the unchanged config does not fit in it.
     as_is_oom_budget: int | None = None
+    # False: the script updates its parameters by hand (no torch.optim optimizer stepped): there is no
+    # optimizer state, and no lever that acts on an optimizer (offloading or quantising its state).
+    has_optimizer: bool = True
+    # The model whose modules ``candidates`` and ``param_holders`` name (``measure.planned_model``).
+    model: int = 0
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
     # measured beyond the prediction); 1.0 as profiled.
     memory_correction: float = 1.0
