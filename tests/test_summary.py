@@ -237,6 +237,23 @@ def test_no_steps_at_all() -> None:
     assert all(row["activation_bytes"] is None for row in s["layers"])
 
 
+def test_no_steps_says_why_when_the_run_knows() -> None:
+    """Training in a spawned process (mnist_hogwild's shape): the headline carries the run's reason."""
+    from memdoctor.exitcodes import NO_STEPS
+    from memdoctor.launch.supervisor import _ended
+
+    last = {"exit_code": 0, "processes_started": 2}
+    status, code, message = _ended("script_finished", last, 0)
+    assert (status, code) == ("no_steps", NO_STEPS)
+    assert "started 2 processes" in message and "not profiled" in message
+    assert "process" not in _ended("script_finished", {"exit_code": 0}, 0)[2]
+    b = TraceBuilder()
+    b.add_model(tiny_mlp())
+    s = build_summary(b.end("no_steps", message).build())
+    assert s["status_message"] == message
+    assert "started 2 processes" in s["headline"] and s["headline"].startswith("No training step")
+
+
 def test_incomplete_step_without_recorded_categories_uses_the_timeline() -> None:
     trace = oom_trace(layers=1)
     step = trace.steps[0]

@@ -30,7 +30,9 @@ def headline(summary: dict[str, Any]) -> str:
     if fault:
         return fault_sentence(summary, fault)
     if summary.get("peak_memory_bytes") is None:
-        return "No training step was recorded, so there is no memory figure to report."
+        why = (summary.get("status_message") or "").partition("; ")[2]  # the run's reason, where it has one
+        because = f" ({why})" if why else ""
+        return f"No training step was recorded{because}, so there is no memory figure to report."
     return peak_sentence(summary)
 
 

@@ -42,6 +42,7 @@ def summary_figures(trace: Trace) -> dict[str, Any]:
         "memdoctor_version": __version__,
         "trace_memdoctor_version": trace.header.get("memdoctor_version"),
         "status": (trace.end or {}).get("status", "unknown"),
+        "status_message": (trace.end or {}).get("message"),
         "device": device_info(trace),
         "budget_bytes": trace.settings.get("budget_bytes"),
         "not_measured": not_measured(trace),

@@ -24,6 +24,7 @@ from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
 from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
+from memdoctor.patching import wrap_attr
 from memdoctor.trace import TraceWriter, event_record, make_header
 
 ENV_VAR = "MEMDOCTOR_CHILD"
@@ -115,9 +116,27 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
     return collectors, header
 
 
+def _count_processes(started: list[int]) -> Any:
+    """Count the processes the script starts (``multiprocessing``, ``torch.multiprocessing``): training
+    that runs in one of them is not profiled (the hooks live in this process), and a run that found no
+    step says so rather than only "no training step"."""
+    import multiprocessing.process
+
+    def make(start: Any) -> Any:
+        def counted(self: Any) -> Any:
+            started[0] += 1
+            return start(self)
+
+        return counted
+
+    return wrap_attr(multiprocessing.process.BaseProcess, "start", make)
+
+
 def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
     prepare_sys(cfg)
     session.start()
+    started = [0]
+    undo_count = _count_processes(started)
     try:
         run_target(cfg)
     except SystemExit as exc:
@@ -149,8 +168,11 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         writer.write(event_record(kind, one_line(exc), where, **exception_fields(exc)))
         traceback.print_exception(type(exc), exc, user_tb(exc.__traceback__))
         return SCRIPT_RAISED
+    finally:
+        undo_count()
     session.finish()
-    writer.write(event_record("script_finished", "the script finished", session.where()))
+    finished = event_record("script_finished", "the script finished", session.where())
+    writer.write({**finished, "processes_started": started[0]} if started[0] else finished)
     return SCRIPT_OK
 
 

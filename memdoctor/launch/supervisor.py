@@ -288,7 +288,14 @@ def _ended(kind: str, last: dict[str, Any], steps: int) -> tuple[str, int, str]:
     if code != exitcodes.SCRIPT_OK:
         return "script_exit", exitcodes.SCRIPT_FAILED, f"the script {how} after {steps} complete steps"
     if steps == 0:
-        return "no_steps", exitcodes.NO_STEPS, f"the script {how} without a training step (no backward)"
+        message = f"the script {how} without a training step (no backward)"
+        if last.get("processes_started"):
+            n = last["processes_started"]
+            message += (
+                f"; it started {n} process{'' if n == 1 else 'es'} (multiprocessing), and training that "
+                "runs in another process is not profiled: profile a run that trains in its main process"
+            )
+        return "no_steps", exitcodes.NO_STEPS, message
     status = "script_finished" if kind == "script_finished" else "script_exit"
     return status, exitcodes.OK, f"the script {how} after {steps} complete steps"
 
