@@ -34,7 +34,7 @@ SCRIPTS: dict[str, list[str]] = {
     "dcgan_style.py": [],
     "word_lm_style.py": [],
     "time_seq_style.py": [],
-    "regression_style.py": ["--batch-size", "2048"],  # the default 32 peaks under the 1 KiB floor
+    "regression_style.py": [],
     "hogwild_style.py": [],
     "hf_no_trainer_style.py": [],
     "timm_style.py": [],
