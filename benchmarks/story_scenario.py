@@ -181,7 +181,7 @@ WORKLOADS: dict[str, Workload] = {
         "resnet_loop.py",
         128,
         RESNET_GRID,
-        ("micro-batch 64 x2", "bf16"),
+        ("checkpoint stages", "bf16"),
         tiny_batch=8,
         tiny_budget="20MiB",
         tiny_args=("--tiny", "--device", "cpu"),

@@ -70,7 +70,7 @@ def _load_or_refuse(path: Path) -> None:
 
 
 FUZZ = settings(
-    max_examples=1500,
+    max_examples=750,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -84,7 +84,7 @@ def test_structured_records_load_or_are_refused(tmp_path: Path, records: list[di
 
 
 @settings(
-    max_examples=800,
+    max_examples=400,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -158,7 +158,7 @@ def _set(obj: object, path: tuple, value: object) -> None:
 
 
 @settings(
-    max_examples=400,
+    max_examples=200,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],

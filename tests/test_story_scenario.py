@@ -35,6 +35,8 @@ EFFECTIVE: dict[str, Callable[[argparse.Namespace], int]] = {
     "story": lambda a: a.batch_size if not a.micro_batch or a.batch_size % a.micro_batch == 0 else -1,
     "gpt2-trainer": lambda a: a.batch_size * a.grad_accum,
     "vit-lightning": lambda a: a.batch_size,  # its parser refuses an --accumulate that does not divide
+    "resnet-loop": lambda a: a.batch_size if not a.micro_batch or a.batch_size % a.micro_batch == 0 else -1,
+    "mini-gpt": lambda a: a.batch_size * a.grad_accum,
 }
 
 

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 
 import torch
-import torchvision
 from bert_story import Checkpointed, StepTimer, add_run_flags, apply_cap, write_peak
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -45,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, int]:
-    """The model and its image size."""
+    """The model and its image size (torchvision imported here: the argument parser needs none)."""
+    import torchvision
+
     if args.tiny:
         return torchvision.models.resnet18(num_classes=10), 32
     return torchvision.models.resnet50(num_classes=1000), 224
