@@ -12,14 +12,26 @@ from typing import Any
 from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blocks
 from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
+from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
 from memdoctor.plan.padding import padding_facts
 from memdoctor.plan.splits import split_of
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
 
-# Matmul-type modules: autocast stores what they save for backward in 16 bits (``memdoctor.plan.memory``).
-AMP_HALVING_TYPES = re.compile(r"Linear|Conv|Attention|GELU|ReLU|SiLU|Tanh|Sigmoid|Mish|MLP", re.I)
+# Modules whose weights autocast casts to a 16-bit copy for its matmuls (``AMP_WEIGHT_CACHE_FACTOR``).
+MATMUL_WEIGHT_TYPES = re.compile(r"Linear|Conv|Attention|MLP|LSTM|GRU|RNN|Bilinear", re.I)
+# The module types whose saved activations stay as they are when autocast is added, by the device type
+# autocast runs on ("*": every device). Every other module's are stored in 16 bits (``amp_factor``).
+AMP_KEEPS: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (re.compile(r"Loss$", re.I), "*", "losses autocast to fp32 on every device"),
+    (re.compile(r"Embedding", re.I), "*", "saves its int64 indices; its output is fp32 (no matmul cast)"),
+    (re.compile(r"^(?!.*Batch).*Norm", re.I), "*", "LayerNorm, GroupNorm, RMSNorm: fp32 on CUDA's list, "
+     "and in a transformer their input is the fp32 residual stream (embeddings + 16-bit outputs promote)"),
+    (re.compile(r"MaxPool", re.I), "*", "saves int64 indices; its input is the ReLU's before it, counted there"),
+    (re.compile(r"Softmax", re.I), "cuda", "softmax and log_softmax autocast to fp32 on CUDA (not on CPU)"),
+    (re.compile(r"Dropout", re.I), "cuda", "CUDA's dropout saves a bool mask (CPU's a mask in the input dtype)"),
+)
 # Code sites of eager attention's temporaries in the peak ledger (seq x seq scores and probabilities).
 ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
 # Assumed optimizer state when the run died before its first optimizer step: AdamW's two fp32 moments.
@@ -169,6 +181,21 @@ def _outside_bytes(outside: list[dict[str, Any]], notes: list[str]) -> int:
     return total
 
 
+def amp_factor(module_type: str | None, device_type: str | None) -> float:
+    """What adding autocast multiplies a module's own saved activations by: ``AMP_ACTIVATION_FACTOR``
+    unless ``AMP_KEEPS`` keeps its type. Autocast casts only the inputs of its lower-precision ops
+    (matmuls, convolutions) to 16 bits; the ops on neither of its lists (BatchNorm, ReLU, GELU, pooling,
+    adds, dropout...) run in their input's dtype, so after a 16-bit matmul they save 16-bit tensors too.
+    Only the ops it promotes to fp32 (losses; on CUDA norms and softmax) and what follows an fp32 tensor
+    up to the next matmul (an embedding's output, the residual stream) keep fp32. The rule was checked
+    on CPU against measured autocast runs: ``benchmarks/amp_whatif_check.py`` (BENCHMARKS.md, issue 15)."""
+    name = module_type or ""
+    for pattern, where, _why in AMP_KEEPS:
+        if where in ("*", device_type) and pattern.search(name):
+            return 1.0
+    return AMP_ACTIVATION_FACTOR
+
+
 def amp_figures(
     trace: Trace,
     summary: dict[str, Any],
@@ -176,32 +203,34 @@ def amp_figures(
     notes: list[str],
     outside: list[dict[str, Any]] | None = None,
 ) -> tuple[float, int]:
-    """What adding autocast would act on: the share of the activations it would store in 16 bits (those
-    of matmul-type modules still fp32) and the fp32 matmul weight bytes it would cache in 16 bits.
-    Modules the precision collector saw under the script's own autocast, or with 16-bit (or fp64, which
-    autocast leaves alone) outputs, are left out; without that collector, fp32 is assumed and said.
-    The loop's own saved tensors (a loss outside the model) count in the whole and are never halved: a
-    loss autocasts to fp32 (a root's own code is in its row already)."""
+    """What adding autocast would act on: the share of the activations it would store in 16 bits (by
+    module type, ``amp_factor``, of those still fp32) and the fp32 matmul weight bytes it would cache in
+    16 bits. Modules the precision collector saw under the script's own autocast, or with 16-bit (or
+    fp64, which autocast leaves alone) outputs, are left out; without that collector, fp32 is assumed and
+    said. The loop's own saved tensors (a loss outside the model) and a root's own code (a logits upcast
+    and its loss, in the shapes seen) count in the whole and are never halved: a loss autocasts to fp32."""
     script = summary.get("script_precision")
     cols = _precision_columns(trace)
     if script is None or not cols:
         notes.append(
             "the script's own precision was not measured (precision collector off): it is assumed to run "
-            "in fp32, so autocast would halve every matmul-type module's activations"
+            "in fp32, so autocast would halve the activations of every module it does not keep in fp32"
         )
         cols = {}
     params = (script or {}).get("parameter_bytes") or {}
     # only fp32 weights get a 16-bit copy; unmeasured parameters are taken as fp32
     fp32_share = params.get("float32", 0) / sum(params.values()) if sum(params.values()) else 1.0
+    device_type = (script or {}).get("device_type") or trace.device.get("kind")
     total = sum(r["activation_bytes"] for r in outside or [] if r["holder"] == "loop")
     halved = weights = 0
     for r in rows:
         auto, out = cols.get((r["model"], r["index"]), (None, None))
-        matmul = bool(AMP_HALVING_TYPES.search(r["type"] or ""))
-        total += r["activation_self_bytes"] or 0
-        if matmul and not already_half(auto, out) and out in (None, 32):
-            halved += r["activation_self_bytes"] or 0
-        if matmul and not already_half(auto, None):
+        own = r["activation_self_bytes"] or 0
+        total += own
+        factor = 1.0 if r["index"] == 0 else amp_factor(r["type"], device_type)
+        if factor < 1.0 and not already_half(auto, out) and out in (None, 32):
+            halved += own
+        if MATMUL_WEIGHT_TYPES.search(r["type"] or "") and not already_half(auto, None):
             weights += r["param_bytes"] or 0
     return (halved / total if total else 0.0), int(weights * fp32_share)
 
