@@ -6,11 +6,12 @@ autocast weight cache: the ledger counts autocast's 16-bit weight copies as save
     PYTHONPATH=. python benchmarks/amp_whatif_check.py [--modules] [--cuda] [--resnet50 BATCH]
         [--traces DIR [--reuse]]
 
-``--traces DIR`` keeps the profiles there; with ``--reuse`` they are read back instead of profiled again
-(a GPU's profiles re-checked on any machine). ``--cuda`` runs the same check under CUDA autocast on the GPU; ``--resnet50 BATCH`` adds torchvision's
-ResNet-50 on 224x224 images (the issue's plain-loop workload; torchvision must be installed). Each model is profiled in process (``ProfileSession`` with the precision collector), twice: the fp32 run
+Each model is profiled in process (``ProfileSession`` with the precision collector), twice: the fp32 run
 is the plan's calibration, the bf16 run the measurement the prediction is checked against. ``--modules``
-adds the saved bytes per module type, fp32 and bf16.
+adds the saved bytes per module type, fp32 and bf16. ``--traces DIR`` keeps the profiles there; with
+``--reuse`` they are read back instead of profiled again (a GPU's profiles re-checked on any machine).
+``--cuda`` runs the same check under CUDA autocast on the GPU; ``--resnet50 BATCH`` adds torchvision's
+ResNet-50 on 224x224 images (the issue's plain-loop workload; torchvision must be installed).
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from memdoctor.analysis.steps import peak_step
 from memdoctor.capture.collectors import make_collectors
 from memdoctor.capture.session import ProfileSession
 from memdoctor.device import default_device
+from memdoctor.errors import TraceError
 from memdoctor.plan.config import Config
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.memory import memory_parts
 from memdoctor.report import build_summary
-from memdoctor.trace import Trace
-from memdoctor.errors import TraceError
-from memdoctor.trace import TraceWriter, load_trace
+from memdoctor.trace import Trace, TraceWriter, load_trace
 from memdoctor.trace.records import make_header
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -266,7 +266,8 @@ def check(name: str, tmp: Path, where: str = "cpu", resnet50: int = 0, reuse: bo
     if reuse:
         fp32, bf16 = (load_trace(p) for p in paths)
     else:
-        fp32, bf16 = (profile(name, amp, p, where, resnet50) for amp, p in zip((False, True), paths))
+        runs = zip((False, True), paths, strict=True)
+        fp32, bf16 = (profile(name, amp, p, where, resnet50) for amp, p in runs)
     measured, predicted = activations_at_peak(bf16), predicted_bf16(fp32)
     return {
         "model": name,

@@ -12,7 +12,7 @@ from memdoctor.plan.workload import Candidate, Workload
 # Autocast (bf16/fp16): the activations of every module but those it keeps in fp32 are stored in 16 bits,
 # half of fp32: matmul inputs are cast, and the ops on neither of its lists (BatchNorm, activations,
 # pooling, dropout) run in the dtype they are given. Which modules keep fp32 (losses, norms other than
-# BatchNorm, embeddings; softmax on CUDA) is ``memdoctor.plan.measure.AMP_KEEPS``, measured on CPU.
+# BatchNorm, embeddings; softmax on CUDA) is ``memdoctor.plan.measure.AMP_FACTORS``, measured.
 AMP_ACTIVATION_FACTOR = 0.5
 
 
