@@ -40,6 +40,7 @@ _THREAD_PREFIX = "memdoctor"
 # the fuzzers and the browser test stay outside.
 FAST_FILES = frozenset(
     {
+        "test_amp_whatif.py",
         "test_api.py",
         "test_architecture.py",
         "test_cli.py",

@@ -13,13 +13,36 @@ from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blo
 from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
+from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.padding import padding_facts
 from memdoctor.plan.splits import split_of
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
 
-# Matmul-type modules: autocast stores what they save for backward in 16 bits (``memdoctor.plan.memory``).
-AMP_HALVING_TYPES = re.compile(r"Linear|Conv|Attention|GELU|ReLU|SiLU|Tanh|Sigmoid|Mish|MLP", re.I)
+# Modules whose weights autocast casts to a 16-bit copy for its matmuls (``AMP_WEIGHT_CACHE_FACTOR``).
+MATMUL_WEIGHT_TYPES = re.compile(r"Linear|Conv|Attention|MLP|LSTM|GRU|RNN|Bilinear", re.I)
+# What adding autocast multiplies a module type's own saved activations by, on the device type autocast
+# runs on ("*": every device): (type pattern, device type, factor, why). Every other module's are stored
+# in 16 bits (``AMP_ACTIVATION_FACTOR``). Measured by ``benchmarks/amp_whatif_check.py`` (BENCHMARKS.md,
+# issue 15): CPU and an H200, fp32 against bf16 autocast, saved bytes per module type. Attention modules
+# halve: right for fused attention (SDPA, the default of HF models and torch's own), which saves q, k, v,
+# the output and a small log-sum-exp. Eager attention on CUDA keeps its softmax probabilities in fp32 and
+# saves a 16-bit copy as well (7 of fp32's 9 bytes a score with dropout): under-predicted, and a trace
+# does not say which attention ran (the recorded GPU traces' attention saves O(seq), i.e. fused).
+AMP_FACTORS: tuple[tuple[re.Pattern[str], str, float, str], ...] = (
+    (re.compile(r"Loss$", re.I), "*", 1.0, "losses autocast to fp32 on every device"),
+    (re.compile(r"Embedding", re.I), "*", 1.0, "saves int64 indices; its output is fp32 (no matmul cast)"),
+    (
+        re.compile(r"^(?!.*Batch).*Norm", re.I),
+        "*",
+        1.0,
+        "LayerNorm, GroupNorm, RMSNorm: fp32 on CUDA's list, and in a transformer their input is the fp32 "
+        "residual stream (the embeddings' fp32 plus 16-bit outputs promotes to fp32) on CPU too",
+    ),
+    (re.compile(r"MaxPool", re.I), "*", 1.0, "saves int64 indices; its input is counted by the ReLU before"),
+    (re.compile(r"Softmax", re.I), "cuda", 1.0, "softmax and log_softmax autocast to fp32 on CUDA (not CPU)"),
+    (re.compile(r"Dropout", re.I), "cuda", 1.0, "CUDA's dropout saves a bool mask (CPU's: the input dtype)"),
+)
 # Code sites of eager attention's temporaries in the peak ledger (seq x seq scores and probabilities).
 ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
 # Assumed optimizer state when the run died before its first optimizer step: AdamW's two fp32 moments.
@@ -202,6 +225,21 @@ def _outside_bytes(outside: list[dict[str, Any]], notes: list[str]) -> int:
     return total
 
 
+def amp_factor(module_type: str | None, device_type: str | None) -> float:
+    """What adding autocast multiplies a module's own saved activations by: ``AMP_ACTIVATION_FACTOR``
+    unless ``AMP_FACTORS`` says otherwise for its type. Autocast casts only the inputs of its
+    lower-precision ops (matmuls, convolutions) to 16 bits; the ops on neither of its lists (BatchNorm,
+    ReLU, GELU, pooling, adds, dropout...) run in their input's dtype, so after a 16-bit matmul they save
+    16-bit tensors too. Only the ops it promotes to fp32 (losses; on CUDA norms and softmax) and what
+    follows an fp32 tensor up to the next matmul (an embedding's output, the residual stream) keep fp32.
+    Checked against measured autocast runs, on CPU and an H200: ``benchmarks/amp_whatif_check.py``."""
+    name = module_type or ""
+    for pattern, where, factor, _why in AMP_FACTORS:
+        if where in ("*", device_type) and pattern.search(name):
+            return factor
+    return AMP_ACTIVATION_FACTOR
+
+
 def amp_figures(
     trace: Trace,
     summary: dict[str, Any],
@@ -209,34 +247,38 @@ def amp_figures(
     notes: list[str],
     outside: list[dict[str, Any]] | None = None,
 ) -> tuple[float, int]:
-    """What adding autocast would act on: the share of the activations it would store in 16 bits (those
-    of matmul-type modules still fp32) and the fp32 matmul weight bytes it would cache in 16 bits.
-    Modules the precision collector saw under the script's own autocast, or with 16-bit (or fp64, which
-    autocast leaves alone) outputs, are left out; without that collector, fp32 is assumed and said.
-    The loop's own saved tensors (a loss outside the model) count in the whole and are never halved: a
-    loss autocasts to fp32 (a root's own code is in its row already)."""
+    """What adding autocast would act on: the share of the activations it would store in 16 bits (by
+    module type, ``amp_factor``, of those still fp32) and the fp32 matmul weight bytes it would cache in
+    16 bits. Modules the precision collector saw under the script's own autocast, or with 16-bit (or
+    fp64, which autocast leaves alone) outputs, are left out; without that collector, fp32 is assumed and
+    said. The loop's own saved tensors (a loss outside the model) and a root's own code (a logits upcast
+    and its loss, in the shapes seen) count in the whole and are never halved: a loss autocasts to fp32."""
     script = summary.get("script_precision")
     cols = _precision_columns(trace)
     if script is None or not cols:
         notes.append(
             "the script's own precision was not measured (precision collector off): it is assumed to run "
-            "in fp32, so autocast would halve every matmul-type module's activations"
+            "in fp32, so autocast would halve the activations of every module it does not keep in fp32"
         )
         cols = {}
     params = (script or {}).get("parameter_bytes") or {}
     # only fp32 weights get a 16-bit copy; unmeasured parameters are taken as fp32
     fp32_share = params.get("float32", 0) / sum(params.values()) if sum(params.values()) else 1.0
+    device_type = (script or {}).get("device_type") or trace.device.get("kind")
     total = sum(r["activation_bytes"] for r in outside or [] if r["holder"] == "loop")
-    halved = weights = 0
+    saved = weights = 0.0
     for r in rows:
         auto, out = cols.get((r["model"], r["index"]), (None, None))
-        matmul = bool(AMP_HALVING_TYPES.search(r["type"] or ""))
-        total += r["activation_self_bytes"] or 0
-        if matmul and not already_half(auto, out) and out in (None, 32):
-            halved += r["activation_self_bytes"] or 0
-        if matmul and not already_half(auto, None):
+        own = r["activation_self_bytes"] or 0
+        total += own
+        factor = 1.0 if r["index"] == 0 else amp_factor(r["type"], device_type)
+        if not already_half(auto, out) and out in (None, 32):
+            saved += own * (1.0 - factor)
+        if MATMUL_WEIGHT_TYPES.search(r["type"] or "") and not already_half(auto, None):
             weights += r["param_bytes"] or 0
-    return (halved / total if total else 0.0), int(weights * fp32_share)
+    # as the share of the whole that would be halved: the memory model's ``1 - share x (1 - factor)``
+    share = saved / (total * (1.0 - AMP_ACTIVATION_FACTOR)) if total else 0.0
+    return share, int(weights * fp32_share)
 
 
 def _tf32(script: dict[str, Any]) -> bool | None:

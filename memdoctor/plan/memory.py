@@ -9,9 +9,10 @@ from __future__ import annotations
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.workload import Candidate, Workload
 
-# Autocast (bf16/fp16): activations saved by matmul-type modules and the elementwise ops that consume
-# their outputs are stored in 16 bits, half of fp32; other modules (LayerNorm, softmax in fp32, embeddings)
-# keep fp32. An assumption to calibrate.
+# Autocast (bf16/fp16): the activations of every module but those it keeps in fp32 are stored in 16 bits,
+# half of fp32: matmul inputs are cast, and the ops on neither of its lists (BatchNorm, activations,
+# pooling, dropout) run in the dtype they are given. Which modules keep fp32 (losses, norms other than
+# BatchNorm, embeddings; softmax on CUDA) is ``memdoctor.plan.measure.AMP_FACTORS``, measured.
 AMP_ACTIVATION_FACTOR = 0.5
 
 
@@ -103,8 +104,9 @@ def amp_assumption(w: Workload, config: Config, assumptions: list[str]) -> None:
         return
     start = f"measured: {w.script_precision}" if w.script_precision else "assumed fp32 (not measured)"
     assumptions.append(
-        f"autocast stores {100 * w.amp_share:.0f}% of the activations (matmul-type modules still in fp32) "
-        f"in 16 bits; the script as profiled {start}; fp32 master weights and optimizer state stay"
+        f"autocast stores {100 * w.amp_share:.0f}% of the activations in 16 bits (those of every module "
+        "still in fp32 but losses, embeddings, norms other than BatchNorm, and on CUDA softmax and dropout); "
+        f"the script as profiled {start}; fp32 master weights and optimizer state stay"
     )
 
 

@@ -57,8 +57,9 @@ class Workload:
     activations: int  # at the peak
     temporaries: int  # the peak ledger's temporaries: scale with the micro-batch
     fixed: int  # the rest of the peak: workspaces, allocator slack, unattributed
-    # Share of the saved activations that adding autocast would store in 16 bits: those of matmul-type
-    # modules still in fp32 (measured by the precision collector: none where the script autocasts already).
+    # Share of the saved activations that adding autocast would store in 16 bits: those of every module
+    # still in fp32 but the types autocast keeps in fp32 (``memdoctor.plan.measure.AMP_FACTORS``; measured
+    # by the precision collector: none where the script autocasts already).
     amp_share: float
     matmul_param_bytes: int
     step_ms: float | None
