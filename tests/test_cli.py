@@ -548,3 +548,16 @@ def test_console_script_help() -> None:
     assert script.exists(), f"console script missing at {script}; is memdoctor installed (pip install -e .)?"
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "profile" in proc.stdout and "report" in proc.stdout
+
+
+def test_a_closed_output_pipe_is_not_an_internal_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``memdoctor plan TRACE --json | head``: the reader went away; memdoctor says nothing, exits 0."""
+    import argparse
+
+    from memdoctor.cli import _run_guarded
+
+    def closed(ns: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert _run_guarded(argparse.Namespace(command_run=closed)) == 0
+    assert "internal error" not in capsys.readouterr().err

@@ -56,6 +56,9 @@ def _run_guarded(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return exitcodes.INTERRUPTED
+    except BrokenPipeError:  # the reader of our output stopped reading (``memdoctor plan --json | head``)
+        _quiet_stdout()
+        return exitcodes.OK
     except Exception as exc:
         if debug:
             traceback.print_exc()
@@ -63,6 +66,16 @@ def _run_guarded(ns: argparse.Namespace) -> int:
         hint = "" if debug else " (run with --debug or MEMDOCTOR_DEBUG=1 to see the traceback)"
         print(BUG_LINE + hint, file=sys.stderr)
         return exitcodes.INTERNAL_ERROR
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe again
+    (the way Python's own documentation of SIGPIPE handles it)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture): nothing to flush
+        pass
 
 
 def _exit_code(code: object) -> int:
