@@ -390,6 +390,17 @@ def test_no_optimizer_lever_is_searched_without_an_optimizer() -> None:
     assert "offload" in {c.optimizer for c in tier_one(with_opt, target)}
 
 
+def test_no_optimizer_lever_is_searched_for_a_closure_optimizer() -> None:
+    """LBFGS evaluates its closure several times a step: ``memdoctor run`` refuses ``optimizer: offload``
+    for it (pytorch/examples' time_sequence_prediction was planned so, then refused), so the planner
+    never proposes it; the class comes from the trace (``steps_found.optimizers``)."""
+    target = Target(budget_bytes=500)
+    w = hand_workload(optimizer_classes=("LBFGS",), peak_bytes=800)
+    assert {c.optimizer for c in tier_one(w, target) + tier_two(w, target)} == {"as-is"}
+    adam = hand_workload(optimizer_classes=("AdamW",), peak_bytes=800)
+    assert {"offload", "8bit"} <= {c.optimizer for c in tier_one(adam, target) + tier_two(adam, target)}
+
+
 def test_the_run_finds_the_planned_model_by_its_provenance_not_its_order() -> None:
     g, d = Generator(), Discriminator()
     assert [n for n, _ in g.named_modules()][:3] == [n for n, _ in d.named_modules()][:3]  # main.0 in both

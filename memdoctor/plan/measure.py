@@ -121,6 +121,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         else None,
         split=split,
         has_optimizer=has_optimizer,
+        optimizer_classes=tuple((summary.get("steps_found") or {}).get("optimizers") or ()),
         model=model,
     )
 

@@ -88,11 +88,20 @@ def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> 
     ]
 
 
+# Optimizers that evaluate a closure several times per step: the host step of ``optimizer: offload``
+# runs once before the step (``memdoctor.levers.offload_optimizer`` refuses them), and the 8-bit
+# optimizers replace Adam-type state only.
+CLOSURE_OPTIMIZERS = frozenset({"LBFGS"})
+
+
 def optimizer_placements(w: Workload, choices: tuple[str, ...]) -> tuple[str, ...]:
     """``choices`` of the ``optimizer`` lever; only "as-is" for a script without an optimizer (its
-    parameters updated by hand): there is no state to offload or quantise, and ``memdoctor run`` would
-    find no optimizer to apply it to."""
-    return choices if w.has_optimizer else ("as-is",)
+    parameters updated by hand: there is no state to offload or quantise, and ``memdoctor run`` would
+    find no optimizer to apply it to) and for one that steps with a closure (LBFGS): a lever ``memdoctor
+    run`` would refuse is never proposed."""
+    if not w.has_optimizer or CLOSURE_OPTIMIZERS & set(w.optimizer_classes):
+        return ("as-is",)
+    return choices
 
 
 def accumulations(w: Workload) -> list[int]:

@@ -86,6 +86,8 @@ class Workload:
     # False: the script updates its parameters by hand (no torch.optim optimizer stepped): there is no
     # optimizer state, and no lever that acts on an optimizer (offloading or quantising its state).
     has_optimizer: bool = True
+    # The optimizer classes that stepped (``summary.json``'s ``steps_found.optimizers``); empty: unknown.
+    optimizer_classes: tuple[str, ...] = ()
     # The model whose modules ``candidates`` and ``param_holders`` name (``measure.planned_model``).
     model: int = 0
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
