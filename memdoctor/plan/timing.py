@@ -13,7 +13,7 @@ from memdoctor.plan.workload import Candidate, Workload
 # Time: the share of forward+backward time that does not shrink with a smaller micro-batch (kernel
 # launches, fixed-size work), by the measured compute class; "unknown" when compute was not measured.
 # Without a compute measurement the cost is unknown (and said so) rather than guessed.
-ACCUMULATION_FIXED_SHARE: dict[str | None, float] = {"high": 0.05, "medium": 0.15, "low": 0.3}
+ACCUMULATION_FIXED_SHARE: dict[str | None, float] = {"high": 0.12, "medium": 0.15, "low": 0.3}
 # Time: forward+backward under autocast as a fraction of fp32, with tensor cores for the dtype.
 AMP_TIME_FACTOR = {"high": 0.6, "medium": 0.8, "low": 0.95, None: 0.8}
 # Time: autocast from the device's capabilities (``amp_time_factor``). 16-bit matmuls are assumed to
@@ -54,9 +54,7 @@ def time_model(
     gets, per part, what its figure rests on (measured, datasheet or an assumption)."""
     out: dict[str, float | None] = {}
     if chosen:
-        out["recompute"] = sum(c.forward_ms for c in chosen)
-        basis["recompute"] = "measured: the forward time of each checkpointed module"
-        assumptions.append("recomputation costs the measured forward time of each checkpointed module")
+        _recompute_ms(w, config, chosen, target, assumptions, basis, out)
     if config.accumulation_steps > 1:
         out["accumulation"] = _accumulation_ms(w, config, assumptions)
         basis["accumulation"] = "assumption: a fixed share per micro-batch by the measured compute class"
@@ -73,6 +71,38 @@ def time_model(
     if config.full_offload:
         _full_offload_ms(w, config, target, assumptions, basis, out)
     return out
+
+
+def _recompute_ms(
+    w: Workload,
+    config: Config,
+    chosen: list[Candidate],
+    target: Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+    out: dict[str, float | None],
+) -> None:
+    """A checkpointed module's forward runs again in backward, under the plan's precision: the
+    measured forward time, scaled by the autocast time factor where the plan adds autocast (the
+    recomputation runs in 16 bits too; on the H200 an fp32-timed recompute overstated it ~2x and made
+    a host copy of parameters look cheaper than one more checkpointed layer)."""
+    measured = sum(c.forward_ms for c in chosen)
+    if w.adds_autocast(config.precision) and not (config.precision == "bf16" and _no_native_bf16(w, target)):
+        factor, why = amp_time_factor(w, config.precision, target.card)
+        out["recompute"] = measured * factor
+        basis["recompute"] = (
+            f"measured forward time of each checkpointed module x{factor:.2f} under autocast ({why})"
+        )
+    else:
+        out["recompute"] = measured
+        basis["recompute"] = "measured: the forward time of each checkpointed module"
+    assumptions.append(
+        "recomputation costs the forward time of each checkpointed module, at the plan's precision"
+    )
+
+
+def _no_native_bf16(w: Workload, target: Link) -> bool:
+    return not (w.bf16_native if target.bf16 is None else target.bf16)
 
 
 def _full_offload_ms(
@@ -168,11 +198,10 @@ def _accumulation_ms(w: Workload, config: Config, assumptions: list[str]) -> flo
 def _amp_ms(
     w: Workload, config: Config, target: Link, assumptions: list[str], basis: dict[str, str]
 ) -> float | None:
-    native = w.bf16_native if target.bf16 is None else target.bf16
     if w.fwd_bwd_ms is None:
         basis["autocast"] = "unknown: no forward/backward time measured"
         return None
-    if config.precision == "bf16" and not native:
+    if config.precision == "bf16" and _no_native_bf16(w, target):
         assumptions.append("bf16 without native support runs no faster (emulated); counted as no change")
         basis["autocast"] = "device capability: no native bf16, no speed-up"
         return 0.0
