@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     runs = [bare(args)]
-    runs += [] if args.hand_only else memdoctor_runs(args)
+    if args.first_shot and not args.hand_only:  # the plan without --verify, then the verified one
+        runs += memdoctor_runs(args, verify=False, tag="b-first")
+    runs += [] if args.hand_only else memdoctor_runs(args, verify=args.verify or args.first_shot)
     spec = workload(args)
     names = args.grid or (spec.tiny_grid if args.tiny else tuple(spec.grid))
     runs += [hand(args, name) for name in names]
@@ -250,6 +252,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per run (default 150)")
     p.add_argument("--verify", action="store_true", help="profile with --verify in (b)")
     p.add_argument("--hand-only", action="store_true", help="skip (b): the run as is and the hand grid only")
+    p.add_argument(
+        "--first-shot",
+        action="store_true",
+        help="(b) twice: the plan without --verify (first shot), then with it; their throughput ratio",
+    )
     p.add_argument(
         "--grid", default=None, help="the workload's grid entries to run, separated by ; (default: all)"
     )
@@ -316,9 +323,11 @@ def hand(args: argparse.Namespace, name: str) -> Run:
     return execute(run, args, d)
 
 
-def memdoctor_runs(args: argparse.Namespace) -> list[Run]:
-    """(b): profile under the budget (its own step times are not throughput), then ``memdoctor run``."""
-    d = run_dir(args, "b-profile")
+def memdoctor_runs(args: argparse.Namespace, *, verify: bool, tag: str = "b") -> list[Run]:
+    """(b): profile under the budget (its own step times are not throughput), then ``memdoctor run``.
+    ``tag`` names the folders (``b-profile``, ``b-run``; ``b-first-...`` for the first shot)."""
+    first = tag != "b"
+    d = run_dir(args, f"{tag}-profile")
     profile = [
         sys.executable,
         "-m",
@@ -329,20 +338,23 @@ def memdoctor_runs(args: argparse.Namespace) -> list[Run]:
         "-o",
         str(d / "report"),
     ]
-    profile += ["--force", "--warmup", "1", "--steps", "3", *(["--verify"] if args.verify else [])]
+    profile += ["--force", "--warmup", "1", "--steps", "3", *(["--verify"] if verify else [])]
     # memdoctor caps the profiled process itself; the script runs longer than the 4 profiled steps
     script_args = workload_args(args, d, cap=False, steps=max(args.steps, 6))
-    prof = execute(Run("memdoctor profile", "profile", [*profile, script(args), "--", *script_args]), args, d)
+    name = "memdoctor profile" + (" (first shot)" if first else " --verify" if verify else "")
+    prof = execute(Run(name, "profile", [*profile, script(args), "--", *script_args]), args, d)
     config = d / "report" / "memdoctor.yaml"
+    kind = "first-shot" if first else "memdoctor"
     if not config.exists():
         prof.note = "no memdoctor.yaml: the profile made no plan (see its report)"
-        return [prof, Run("memdoctor run --config", "memdoctor", [], status="skipped", note=prof.note)]
+        return [prof, Run("memdoctor run --config", kind, [], status="skipped", note=prof.note)]
     if not has_run_command():
         note = "this memdoctor has no `memdoctor run` (not merged yet)"
-        return [prof, Run("memdoctor run --config", "memdoctor", [], status="skipped", note=note)]
-    d2 = run_dir(args, "b-run")
+        return [prof, Run("memdoctor run --config", kind, [], status="skipped", note=note)]
+    d2 = run_dir(args, f"{tag}-run")
     cmd = [sys.executable, "-m", "memdoctor", "run", "--config", str(config), script(args), "--"]
-    run = execute(Run("memdoctor run --config", "memdoctor", [*cmd, *workload_args(args, d2)]), args, d2)
+    label = "memdoctor run --config" + (" (first shot)" if first else "")
+    run = execute(Run(label, kind, [*cmd, *workload_args(args, d2)]), args, d2)
     run.fp32 = "precision: fp32" in config.read_text() or "precision:" not in config.read_text()
     return [prof, run]
 
@@ -412,6 +424,7 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
     best32 = max((r for r in hand_ok if r.fp32), key=lambda r: r.samples_per_s or 0, default=None)
     ours = next((r for r in runs if r.kind == "memdoctor"), None)
     mine = ours.samples_per_s if ours else None
+    first = next((r for r in runs if r.kind == "first-shot"), None)
     return {
         "workload": args.workload,
         "batch": batch_size(args),
@@ -429,17 +442,30 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
         "ratio": ratio(mine, best),
         "ratio_fp32": ratio(mine, best32),
         "bare_ooms": next((r.status == "oom" for r in runs if r.kind == "bare"), None),
+        "first_shot_plan": read_plan(args, "b-first") if first else None,
+        "first_shot_samples_per_s": first.samples_per_s if first else None,
+        "first_shot_ratio": ratio(first.samples_per_s, ours) if first else None,
+        "memory_error": memory_error(read_plan(args), ours),
+        "first_shot_memory_error": memory_error(read_plan(args, "b-first"), first) if first else None,
     }
 
 
-def ratio(mine: float | None, best: Run | None) -> float | None:
+def memory_error(plan: dict[str, Any] | None, run: Run | None) -> float | None:
+    """The run's measured reserved peak against the plan's prediction (+: more than predicted)."""
+    predicted = ((plan or {}).get("plan") or {}).get("predicted_reserved_bytes")
+    if not predicted or run is None or not run.max_reserved_bytes:
+        return None
+    return round(run.max_reserved_bytes / predicted - 1.0, 4)
+
+
+def ratio(mine: float | None, best: Run | None) -> float | None:  # mine over best's samples/s
     if not mine or best is None or not best.samples_per_s:
         return None
     return round(mine / best.samples_per_s, 3)
 
 
-def read_plan(args: argparse.Namespace) -> dict[str, Any] | None:
-    path = args.out / "b-profile" / "report" / "summary.json"
+def read_plan(args: argparse.Namespace, tag: str = "b") -> dict[str, Any] | None:
+    path = args.out / f"{tag}-profile" / "report" / "summary.json"
     if not path.exists():
         return None
     summary = json.loads(path.read_text())
@@ -460,6 +486,11 @@ def print_table(runs: list[Run], result: dict[str, Any]) -> None:
         best = result["best_hand" if key == "ratio" else "best_hand_fp32"]
         shown = "n/a" if value is None else f"{100 * value:.0f}%"
         print(f"memdoctor vs best hand config{' (fp32)' if key == 'ratio_fp32' else ''} ({best}): {shown}")
+    for key, what in (("memory_error", "verified plan"), ("first_shot_memory_error", "first shot")):
+        if result.get(key) is not None:
+            print(f"{what}: measured reserved peak {100 * result[key]:+.1f}% against predicted")
+    if result.get("first_shot_ratio") is not None:
+        print(f"first shot vs verified plan: {100 * result['first_shot_ratio']:.0f}% (target 90%)")
 
 
 if __name__ == "__main__":
