@@ -24,7 +24,7 @@ from memdoctor.launch.verify import (
     nothing_to_verify,
     verify,
 )
-from memdoctor.launch.verify_round import measure
+from memdoctor.launch.verify_round import VERIFY_STEPS, measure
 from memdoctor.plan import timing
 from memdoctor.plan.workload import corrected_workload
 from memdoctor.report import build_summary
@@ -109,6 +109,10 @@ def test_a_plan_that_fits_is_verified_in_one_round(
     assert compared["avoided"] == "accumulation" and r["avoided"] is None
     assert compared["config"]["accumulation_steps"] == 1 < plan["config"]["accumulation_steps"]
     assert runner.requests[1].out_dir == tmp_path / "verify-2"
+    # every round profiles enough timing steps for a median (the request's own 5 are fewer)
+    assert [q.steps for q in runner.requests] == [VERIFY_STEPS, VERIFY_STEPS] and req.steps > _request(
+        tmp_path
+    ).steps
     assert r["fits"] and r["outcome"] == "fits" and record["stopped"] is None
     assert r["predicted_peak_bytes"] == plan["predicted_reserved_bytes"]
     assert r["measured_peak_bytes"] == 7 * GiB and r["peak_basis"] == "reserved"
