@@ -411,11 +411,16 @@ def test_profile_records_the_loop_shape_and_the_measured_batch_dimension() -> No
         "accumulation_value": 2,
     }
     assert batches and all((b["batch_size"], b["batch_dim"]) == (10, None) for b in batches)  # [6,10] + [10]
-    assert split_of(SimpleNamespace(collected={"data": facts})).kind == "loader"
+    # the script's own arguments first (its loop then runs each micro-batch), else the loader's split
+    assert split_of(SimpleNamespace(collected={"data": facts})).kind == "arguments"
+    bare = {**facts, "loop": {**loop, "knobs": {}}}
+    assert split_of(SimpleNamespace(collected={"data": bare})).kind == "loader"
     facts, batches = _data(_profiled_loop(None, own_loss=True))
     assert facts["loop"]["loss"] == {"in_forward": True, "at": "[1]", "why": None}
     assert all((b["batch_size"], b["batch_dim"]) == (10, 0) for b in batches)
-    assert split_of(SimpleNamespace(collected={"data": facts})).kind == "forward"
+    assert split_of(SimpleNamespace(collected={"data": facts})).kind == "arguments"
+    bare = {**facts, "loop": {**facts["loop"], "knobs": {}}}
+    assert split_of(SimpleNamespace(collected={"data": bare})).kind == "forward"
 
 
 def test_the_planner_knows_which_split_applies_before_proposing_it() -> None:

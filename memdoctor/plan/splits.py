@@ -2,13 +2,16 @@
 
 Read from the data collector's ``loop`` facts (docs/trace-format.md), in the order an expert would try:
 
-1. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
+1. ``arguments``: the script parses a batch-size and a gradient-accumulation argument: pass smaller
+   batches and more accumulation steps, the effective batch unchanged (``memdoctor.levers.scriptargs``).
+   First: the script's own loop then runs each micro-batch, so everything it holds per batch shrinks
+   with it. A split inside the forward hands the loop the whole batch's outputs (a minimal GPT's fp32
+   logits, 2.47 GB on the H200, were held at micro-batch 1/2 and 1/4 alike).
+2. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
-2. ``loader``: the loop computes the loss, its training batches come from a DataLoader read without
+3. ``loader``: the loop computes the loss, its training batches come from a DataLoader read without
    look-ahead, and a ``torch.optim`` optimizer steps: split each batch at the loader and defer the
    step (``memdoctor.levers.loopsplit``).
-3. ``arguments``: the script parses a batch-size and a gradient-accumulation argument: pass smaller
-   batches and more accumulation steps, the effective batch unchanged (``memdoctor.levers.scriptargs``).
 
 Otherwise no split is safe, and ``why_not`` says precisely why; the planner then plans without
 micro-batching. A trace from before these facts were recorded plans as before (``forward``).
@@ -60,14 +63,19 @@ def split_of(trace: Trace | Any) -> Split:
     if not isinstance(loop, dict):
         return AS_BEFORE
     loss = loop.get("loss")
-    if not isinstance(loss, dict) or loss.get("in_forward"):
+    found = loop.get("knobs")
+    knobs: dict[str, Any] = found if isinstance(found, dict) else {}
+    if not isinstance(loss, dict):
         return AS_BEFORE  # no training forward seen (a run that died first): as before
+    arguments = _arguments(knobs)
+    if arguments is not None:
+        return arguments
+    if loss.get("in_forward"):
+        return AS_BEFORE
     lookahead = facts.get("lookahead")
     if loop.get("loader") and loop.get("torch_optim") and not lookahead:
         return Split("loader")
-    found = loop.get("knobs")
-    knobs: dict[str, Any] = found if isinstance(found, dict) else {}
-    return _arguments(knobs) or Split(None, _why_not(loss, loop, lookahead, knobs))
+    return Split(None, _why_not(loss, loop, lookahead, knobs))
 
 
 def _arguments(knobs: dict[str, Any]) -> Split | None:
@@ -107,18 +115,19 @@ def _int(value: Any) -> int | None:
 def reprofile_splits(trace: Trace | Any) -> list[Split]:
     """The splits a re-profile at a smaller micro-batch can try, best first. A run that died in its
     first forward never showed where its loss is: then every split its loop allows is tried in turn
-    (the forward's, the DataLoader's, the script's arguments); empty when none can apply."""
+    (the script's arguments, the forward's, the DataLoader's); empty when none can apply."""
     split = split_of(trace)
     facts = _facts(trace)
     loop = facts.get("loop")
     if not isinstance(loop, dict) or isinstance(loop.get("loss"), dict):
         return [split] if split.kind is not None else []
-    found: list[Split] = [AS_BEFORE]
-    if loop.get("loader"):
-        found.append(Split("loader"))
     knobs = loop.get("knobs")
     arguments = _arguments(knobs) if isinstance(knobs, dict) else None
-    return [*found, arguments] if arguments is not None else found
+    found: list[Split] = [arguments] if arguments is not None else []
+    found.append(AS_BEFORE)
+    if loop.get("loader"):
+        found.append(Split("loader"))
+    return found
 
 
 def _facts(trace: Trace | Any) -> dict[str, Any]:
