@@ -323,7 +323,7 @@ def test_a_hand_updated_model_stops_the_loader_split_by_name() -> None:
 
 
 def test_script_arguments_are_added_to_the_parse_that_knows_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from memdoctor.capture.loopshape import knobs_of
+    from memdoctor.capture.knobs import knobs_of
 
     def parser() -> Any:
         import argparse

@@ -7,8 +7,10 @@ Read from the data collector's ``loop`` facts (docs/trace-format.md), in the ord
 2. ``loader``: the loop computes the loss, its training batches come from a DataLoader read without
    look-ahead, and a ``torch.optim`` optimizer steps: split each batch at the loader and defer the
    step (``memdoctor.levers.loopsplit``).
-3. ``arguments``: the script parses a batch-size and a gradient-accumulation argument: pass smaller
-   batches and more accumulation steps, the effective batch unchanged (``memdoctor.levers.scriptargs``).
+3. ``arguments``: the script parses a batch-size and a gradient-accumulation argument, or has such
+   config variables that a configurator verifiably sets from ``--name=value`` in argv (nanoGPT's
+   ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
+   effective batch unchanged (``memdoctor.levers.scriptargs``).
 
 Otherwise no split is safe, and ``why_not`` says precisely why; the planner then plans without
 micro-batching. A trace from before these facts were recorded plans as before (``forward``).
@@ -32,6 +34,7 @@ class Split:
     batch_value: int | None = None
     accumulation_option: str | None = None
     accumulation_value: int | None = None
+    style: str = "argparse"  # or "argv": ``--name=value`` entries a configurator reads
 
     def allows(self, k: int) -> bool:
         """Whether ``k`` micro-batches can be planned (the script's batch argument divides by ``k``)."""
@@ -47,7 +50,10 @@ class Split:
             return []
         assert self.batch_option and self.accumulation_option and self.batch_value
         steps = (self.accumulation_value or 1) * k
-        return [self.batch_option, str(self.batch_value // k), self.accumulation_option, str(steps)]
+        pairs = [(self.batch_option, self.batch_value // k), (self.accumulation_option, steps)]
+        if self.style == "argv":
+            return [f"{option}={value}" for option, value in pairs]
+        return [str(part) for pair in pairs for part in pair]
 
 
 AS_BEFORE = Split("forward")
@@ -82,6 +88,7 @@ def _arguments(knobs: dict[str, Any]) -> Split | None:
         batch_value=_int(knobs.get("batch_value")),
         accumulation_option=str(knobs["accumulation_option"]),
         accumulation_value=_int(knobs.get("accumulation_value")) or 1,
+        style="argv" if knobs.get("style") == "argv" else "argparse",
     )
 
 
@@ -94,9 +101,13 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
     else:
         source = "batches do not come from a DataLoader"
     if knobs.get("batch_option"):
-        args = f"the script has a batch-size argument ({knobs['batch_option']}) but no accumulation argument"
+        kind = "config variable" if knobs.get("style") == "argv" else "argument"
+        args = f"the script has a batch-size {kind} ({knobs['batch_option']}) but no accumulation {kind}"
     else:
-        args = "the script has no batch-size and accumulation arguments (argparse)"
+        args = (
+            "the script has no batch-size and accumulation arguments (argparse), nor such config "
+            "variables that a configurator sets from --name=value"
+        )
     return f"no safe micro-batch split: {where}; {source}; {args}"
 
 
