@@ -409,6 +409,7 @@ def test_profile_records_the_loop_shape_and_the_measured_batch_dimension() -> No
         "batch_value": 10,
         "accumulation_option": "--grad-accum",
         "accumulation_value": 2,
+        "style": "argparse",
     }
     assert batches and all((b["batch_size"], b["batch_dim"]) == (10, None) for b in batches)  # [6,10] + [10]
     assert split_of(SimpleNamespace(collected={"data": facts})).kind == "loader"

@@ -97,7 +97,6 @@ class ArgparseWatch:
             self._on_knobs(knobs)
 
 
-
 # ----------------------------------------------------------------------------------------- configurators
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -159,7 +158,8 @@ class ConfiguratorWatch:
             module_level = frame.f_code.co_name == "<module>" and frame.f_globals is frame.f_locals
             if not module_level or not reads_argv(code) or len(self.found) >= 4:
                 return
-            plain = {k: v for k, v in frame.f_globals.items() if isinstance(v, _PLAIN) and not k.startswith("__")}
+            found = frame.f_globals.items()
+            plain = {k: v for k, v in found if isinstance(v, _PLAIN) and not k.startswith("__")}
             if any(BATCH_KNOB.match(k) and _count(v) for k, v in plain.items()):
                 self.found.append(Configurator(code, plain, list(sys.argv)))
         except Exception:  # never into the script's exec

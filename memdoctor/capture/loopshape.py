@@ -188,6 +188,7 @@ class LoopFacts:
         self.knobs: dict[str, Any] | None = None
         self._undo: list[Undo] = []
         self._configurators = ConfiguratorWatch()
+        self._tried = False
 
     def as_field(self) -> dict[str, Any]:
         return {
@@ -220,6 +221,7 @@ class LoopFacts:
         """A ``torch.optim`` optimizer stepped (the collector's ``on_optimizer``)."""
         if not self.torch_optim:
             self.torch_optim = True
+            self._configured()
             self._changed()
 
     def _knobs(self, knobs: Knobs) -> None:
@@ -228,11 +230,12 @@ class LoopFacts:
             self._changed()
 
     def _configured(self) -> None:
-        """By the first training forward the script has configured itself: the knobs its configurators
-        verifiably set (``trial_knobs``) where no argparse parse gave both a batch and an accumulation
-        option."""
-        if self.knobs is not None and self.knobs.get("accumulation_option"):
+        """By its first training forward or optimizer step the script has configured itself: the knobs
+        its configurators verifiably set (``trial_knobs``) where no argparse parse gave both a batch
+        and an accumulation option. Tried once."""
+        if self._tried or (self.knobs is not None and self.knobs.get("accumulation_option")):
             return
+        self._tried = True
         for found in self._configurators.found:
             knobs = trial_knobs(found)
             if knobs is not None and (self.knobs is None or knobs.accumulation_option):

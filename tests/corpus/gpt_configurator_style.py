@@ -26,7 +26,7 @@ n_layer = 2
 n_embd = 32
 seed = 1337
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))]
-exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # noqa: SIM115
 config = {k: globals()[k] for k in config_keys}
 
 
