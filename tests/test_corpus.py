@@ -39,6 +39,7 @@ SCRIPTS: dict[str, list[str]] = {
     "hf_no_trainer_style.py": [],
     "timm_style.py": [],
     "nanogpt_style.py": [],
+    "gpt_configurator_style.py": [],
 }
 
 _lock = threading.Lock()

@@ -204,6 +204,8 @@ class LoopFacts:
     def stop(self) -> None:
         while self._undo:
             self._undo.pop()()
+        if self._configured():  # a run that died in its first forward: its re-profile may use them
+            self._changed()
 
     def forward_output(self, module: torch.nn.Module, out: Any) -> None:
         """The trained root's first training forward: where its loss is (``loss_fact``)."""
@@ -229,15 +231,16 @@ class LoopFacts:
             self.knobs = knobs.as_field()
             self._changed()
 
-    def _configured(self) -> None:
+    def _configured(self) -> bool:
         """By its first training forward or optimizer step the script has configured itself: the knobs
         its configurators verifiably set (``trial_knobs``) where no argparse parse gave both a batch
-        and an accumulation option. Tried once."""
+        and an accumulation option. Tried once; True when it found them."""
         if self._tried or (self.knobs is not None and self.knobs.get("accumulation_option")):
-            return
+            return False
         self._tried = True
         for found in self._configurators.found:
             knobs = trial_knobs(found)
             if knobs is not None and (self.knobs is None or knobs.accumulation_option):
                 self.knobs = knobs.as_field()
-                return
+                return True
+        return False
