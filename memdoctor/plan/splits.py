@@ -4,9 +4,9 @@ Read from the data collector's ``loop`` facts (docs/trace-format.md), in the ord
 
 1. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
-2. ``loader``: the loop computes the loss, its training batches come from a DataLoader read without
-   look-ahead, and a ``torch.optim`` optimizer steps: split each batch at the loader and defer the
-   step (``memdoctor.levers.loopsplit``).
+2. ``loader``: the loop computes the loss, its training batches come from a DataLoader read at most
+   one batch ahead (``accelerate``'s prepared loaders), and a ``torch.optim`` optimizer steps: split
+   each batch at the loader and defer the step (``memdoctor.levers.loopsplit``).
 3. ``arguments``: the script parses a batch-size and a gradient-accumulation argument, or has such
    config variables that a configurator verifiably sets from ``--name=value`` in argv (nanoGPT's
    ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
@@ -69,7 +69,7 @@ def split_of(trace: Trace | Any) -> Split:
     if not isinstance(loss, dict) or loss.get("in_forward"):
         return AS_BEFORE  # no training forward seen (a run that died first): as before
     lookahead = facts.get("lookahead")
-    if loop.get("loader") and loop.get("torch_optim") and not lookahead:
+    if loop.get("loader") and loop.get("torch_optim") and not _deep(lookahead):
         return Split("loader")
     found = loop.get("knobs")
     knobs: dict[str, Any] = found if isinstance(found, dict) else {}
@@ -97,7 +97,7 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
     if loop.get("loader") and not loop.get("torch_optim"):
         source = "batches come from a DataLoader but no torch.optim optimizer steps (whose step could wait)"
     elif loop.get("loader"):
-        source = f"the DataLoader is read {lookahead} batch(es) ahead (accelerate), so a split cannot align"
+        source = f"the DataLoader is read {lookahead} batches ahead (memdoctor run splits at most one ahead)"
     else:
         source = "batches do not come from a DataLoader"
     if knobs.get("batch_option"):
@@ -109,6 +109,11 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
             "variables that a configurator sets from --name=value"
         )
     return f"no safe micro-batch split: {where}; {source}; {args}"
+
+
+def _deep(lookahead: Any) -> bool:
+    """A look-ahead the loader split cannot follow: more than one batch (``levers.loopsplit``)."""
+    return isinstance(lookahead, int) and lookahead > 1
 
 
 def _int(value: Any) -> int | None:
