@@ -1,11 +1,13 @@
-"""The script's own knobs when they are config variables, not argparse options (issue 15, point 3).
+"""The script's own batch-size and accumulation knobs (issue 15, point 3): ``argparse`` options, and
+config variables that a configurator sets from argv.
 
-nanoGPT's shape: module-level globals (``batch_size = 12``, ``gradient_accumulation_steps = 4``) that a
+nanoGPT's shape: module-level globals (``batch_size = 12``, ``gradient_accumulation_steps = 2``) that a
 configurator ``exec``'d by the script overrides from ``--name=value`` entries of ``sys.argv``
 (``tests/corpus/configurator.py``). In-process: what profile records (only knobs a trial run of the
 configurator really sets), what the planner makes of them, and ``memdoctor run``'s lever: the values
-appended to the script's command line, and gradients after one optimizer step equal to the unmodified
-run's (fp32, batches drawn in order so the two runs see the same samples).
+appended to the script's command line (or, for argparse, added to the parse that knows them), and
+gradients after one optimizer step equal to the unmodified run's (fp32, batches drawn in order so the
+two runs see the same samples), for both kinds of knob.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from memdoctor.plan.splits import split_of
 CONFIGURATOR = Path(__file__).parent / "corpus" / "configurator.py"
 TOL = 1e-5
 
-SCRIPT = """
+CONFIGURED = """
 import os
 import torch
 from torch import nn
@@ -39,7 +41,21 @@ gradient_accumulation_steps = 2
 max_iters = 1
 learning_rate = 0.1
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "{configurator}")).read())
+"""
+ARGPARSE = """
+import argparse
+import torch
+from torch import nn
 
+p = argparse.ArgumentParser()
+p.add_argument("--batch-size", type=int, default=12)
+p.add_argument("--grad-accum", type=int, default=2)
+p.add_argument("--max-iters", type=int, default=1)
+args = p.parse_args()
+batch_size, gradient_accumulation_steps, max_iters = args.batch_size, args.grad_accum, args.max_iters
+learning_rate = 0.1
+"""
+BODY = """
 torch.manual_seed(0)
 data = torch.randn(96, 6)
 target = torch.randint(0, 3, (96,))
@@ -63,6 +79,7 @@ for it in range(max_iters):
     optimizer.step()
     optimizer.zero_grad()
 """
+SCRIPT = CONFIGURED + BODY
 
 
 @pytest.fixture
@@ -130,40 +147,52 @@ def test_globals_that_argv_cannot_set_are_not_knobs(script: Path) -> None:
     assert _watched(script, []).found == []  # no exec: nothing to try
 
 
-def test_profile_records_the_knobs_and_the_planner_splits_through_them(script: Path) -> None:
+# style -> the script's head, its argument for 3 iterations, the plan's arguments for k = 4
+STYLES = {
+    "argv": (CONFIGURED, ["--max_iters=3"], ["--batch_size=3", "--gradient_accumulation_steps=8"]),
+    "argparse": (ARGPARSE, ["--max-iters", "3"], ["--batch-size", "3", "--grad-accum", "8"]),
+}
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_profile_records_the_knobs_and_the_planner_splits_through_them(script: Path, style: str) -> None:
     from memdoctor.capture.dataloader import DataCollector
     from memdoctor.capture.session import ProfileSession
 
+    head, three_iterations, planned = STYLES[style]
+    script.write_text((head + BODY).format(configurator="configurator.py"))
     records: list[dict[str, Any]] = []
     session = ProfileSession(steps=2, warmup=0, sink=records.append, collectors=[DataCollector()])
     with session:
-        _run(script, ["--max_iters=3"])  # the root is known at its first step; its loss at the next
+        _run(script, three_iterations)  # the root is known at its first step; its loss at the next
     facts = [r["data"] for r in records if r["type"] == "collector" and r["name"] == "data"][-1]
     loop = facts["loop"]
-    assert loop["knobs"]["style"] == "argv" and loop["knobs"]["batch_value"] == 12
+    assert loop["knobs"]["style"] == style and loop["knobs"]["batch_value"] == 12
     split = split_of(SimpleNamespace(collected={"data": facts}))
-    assert (split.kind, split.style) == ("arguments", "argv")
-    assert split.script_args(4) == ["--batch_size=3", "--gradient_accumulation_steps=8"]
+    assert (split.kind, split.style) == ("arguments", style)
+    assert split.script_args(4) == planned
     assert split.allows(4) and not split.allows(5)
 
 
-def test_run_appends_the_knobs_and_keeps_the_gradients(script: Path) -> None:
+@pytest.mark.parametrize("style", list(STYLES))
+def test_run_passes_the_knobs_and_keeps_the_gradients(script: Path, style: str) -> None:
+    head, _, planned = STYLES[style]  # 12 x 2 = 3 x 8
+    script.write_text((head + BODY).format(configurator="configurator.py"))
     want = _run(script, [])
     lines: list[str] = []
-    args = ["--batch_size=3", "--gradient_accumulation_steps=8"]  # 12 x 2 = 3 x 8
     config = {"memdoctor_config": 1, "accumulation_steps": 4, "accumulation_split": "arguments"}
-    inst = install({**config, "script_args": args}, say=lines.append)
+    inst = install({**config, "script_args": planned}, say=lines.append)
     try:
         got = _run(script, [], inst.argv_args())
         notes = inst.finish()
     finally:
         inst.remove()
-    assert sys.argv[1:] == args
+    assert sys.argv[1:] == (planned if style == "argv" else [])  # argparse: added to the parse only
     assert not notes, notes
     assert len(want) == len(got) == 1
     for a, b in zip(want[0], got[0], strict=True):
         torch.testing.assert_close(b, a, atol=TOL, rtol=TOL)
-    assert any("appended to its command line" in line for line in lines)
+    assert any(" ".join(planned) in line for line in lines)
 
 
 def test_run_says_when_the_script_did_not_take_the_values(script: Path) -> None:
