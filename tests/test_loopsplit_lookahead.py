@@ -55,8 +55,9 @@ def _accelerate(model: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> tu
     return prepared
 
 
-def _train(prepare: Loop) -> dict[str, Any]:
-    """Two epochs of a loop computing the loss itself over 3 batches of 10: clipping, a StepLR."""
+def _train(prepare: Loop, peek: bool = False) -> dict[str, Any]:
+    """Two epochs of a loop computing the loss itself over 3 batches of 10: clipping, a StepLR;
+    ``peek``: a first batch fetched before training, to look at (``next(iter(loader))``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     g = torch.Generator().manual_seed(1)
@@ -69,6 +70,8 @@ def _train(prepare: Loop) -> dict[str, Any]:
     opt.register_step_pre_hook(lambda *_: grads.append([p.grad.clone() for p in model.parameters()]))
     model, prepared_opt, loader = prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=10))
     iterations = 0
+    if peek:
+        next(iter(loader))
     for _epoch in range(2):
         for x, y in loader:
             iterations += 1
@@ -81,7 +84,7 @@ def _train(prepare: Loop) -> dict[str, Any]:
     return {"grads": grads, "iterations": iterations, "lr": sched.get_last_lr(), "params": params}
 
 
-def _split(prepare: Loop, k: int = 2) -> tuple[dict[str, Any], list[str]]:
+def _split(prepare: Loop, k: int = 2, peek: bool = False) -> tuple[dict[str, Any], list[str]]:
     fails: list[str] = []
     inst = install(
         {"memdoctor_config": 1, "accumulation_steps": k, "accumulation_split": "loader"},
@@ -89,7 +92,7 @@ def _split(prepare: Loop, k: int = 2) -> tuple[dict[str, Any], list[str]]:
         fail=fails.append,
     )
     try:
-        got = _train(prepare)
+        got = _train(prepare, peek)
     finally:
         inst.remove()
     return got, fails
@@ -105,10 +108,21 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
         torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("prepare", [_as_is, _accelerate], ids=["one_ahead", "accelerate"])
-def test_a_loader_read_one_ahead_defers_the_step_to_the_trained_last_micro_batch(prepare: Loop) -> None:
-    want = _train(prepare)
-    got, fails = _split(prepare)
+def _plain(model: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> tuple[Any, Any, Any]:
+    return model, opt, loader
+
+
+@pytest.mark.parametrize(
+    ("prepare", "peek"),
+    [(_as_is, False), (_accelerate, False), (_as_is, True), (_accelerate, True), (_plain, True)],
+    ids=["one_ahead", "accelerate", "one_ahead_peeked", "accelerate_peeked", "plain_peeked"],
+)
+def test_a_loader_read_ahead_defers_the_step_to_the_trained_last_micro_batch(
+    prepare: Loop, peek: bool
+) -> None:
+    """Also after a batch peeked at before training: the look-ahead is the training iterator's."""
+    want = _train(prepare, peek)
+    got, fails = _split(prepare, peek=peek)
     assert fails == []
     _same(got, want)
 

@@ -52,6 +52,8 @@ from memdoctor.levers.apply import split_batch
 from memdoctor.levers.backward import BackwardPatch
 from memdoctor.patching import Undo, set_attr, wrap_attr
 
+State = tuple[int, int, float]  # a micro-batch: its index, the batch's count of them, its share
+
 
 class LoopSplit:
     """Split each training DataLoader batch into ``parts`` and defer the step (module docstring)."""
@@ -81,7 +83,9 @@ class LoopSplit:
         self._built: list[weakref.ref[torch.optim.Optimizer]] = []  # optimizers not yet deferred
         self._wrapped: set[int] = set()
         self._layout: list[int | None] | None = None  # each tensor's batch dimension, from the first batch
-        self._pending: collections.deque[tuple[int, int, float]] = collections.deque()  # fetched, not entered
+        # per iterator: the states of micro-batches fetched and not yet trained on; the last fetched from
+        self._pending: weakref.WeakKeyDictionary[Any, collections.deque[State]] = weakref.WeakKeyDictionary()
+        self._last: weakref.ref[Any] | None = None
         self.lookahead: int | None = None  # measured at the first training forward
         self._first_forward: Any = None  # the hook that measures it
         self.batches = 0
@@ -101,31 +105,38 @@ class LoopSplit:
             self.batches += 1
         self._part, self._count, self._weight = part, count, weight
 
-    def _fetched(self, part: int, count: int, weight: float) -> None:
-        """A micro-batch was fetched: the loop trains on the one fetched ``lookahead`` fetches ago."""
-        self._pending.append((part, count, weight))
-        while self.lookahead is not None and len(self._pending) > self.lookahead:
-            self._enter(*self._pending.popleft())
+    def _fetched(self, it: Any, state: State) -> None:
+        """A micro-batch was fetched from ``it``: the loop trains on the one fetched ``lookahead``
+        fetches ago from the same iterator."""
+        pending = self._pending.setdefault(it, collections.deque())
+        pending.append(state)
+        self._last = weakref.ref(it)
+        while self.lookahead is not None and len(pending) > self.lookahead:
+            self._enter(*pending.popleft())
 
-    def _ended(self) -> None:
+    def _ended(self, it: Any) -> None:
         """The loader found no more batches: with look-ahead, the loop still trains on the last one."""
-        if self._pending and self.lookahead:
-            self._enter(*self._pending.popleft())
+        pending = self._pending.get(it)
+        if pending and self.lookahead:
+            self._enter(*pending.popleft())
         else:
             self._part = None  # the epoch is over: steps after the loop are the script's own
 
     def _forward(self, module: nn.Module, _args: Any) -> None:
-        """The first training forward after a fetch measures the look-ahead (module docstring)."""
-        if not (self._pending and module.training and torch.is_grad_enabled()):
+        """The first training forward after a fetch measures the look-ahead (module docstring), on the
+        iterator fetched from last (a batch peeked at with ``next(iter(loader))`` is another's)."""
+        it = self._last() if self._last is not None else None
+        pending = self._pending.get(it) if it is not None else None
+        if not (pending and module.training and torch.is_grad_enabled()):
             return
         self._first_forward.remove()
-        self.lookahead = len(self._pending) - 1
+        self.lookahead = len(pending) - 1
         if self.lookahead > 1:
             self._fail(
                 f"accumulation_steps: the script's DataLoader is read {self.lookahead} batches ahead; "
                 "memdoctor run splits batches read at most one ahead; remove accumulation_steps"
             )
-        self._enter(*self._pending.popleft())
+        self._enter(*pending.popleft())
 
     def _check_stepped(self) -> None:
         """A whole batch backpropagated with no optimizer step called: parameters updated by hand."""
@@ -181,12 +192,12 @@ class LoopSplit:
             queue = split._queues.get(it)
             if queue:
                 part, count, weight, micro = queue.popleft()
-                split._fetched(part, count, weight)
+                split._fetched(it, (part, count, weight))
                 return micro
             try:
                 batch = original(it)
             except StopIteration:
-                split._ended()
+                split._ended(it)
                 raise
             if not (torch.is_grad_enabled() and split._training()):
                 return batch  # evaluation: not split
@@ -194,7 +205,7 @@ class LoopSplit:
             split._queues[it] = collections.deque(
                 (i, len(parts), w, micro) for i, (micro, w) in enumerate(parts) if i
             )
-            split._fetched(0, len(parts), parts[0][1])
+            split._fetched(it, (0, len(parts), parts[0][1]))
             return parts[0][0]
 
         return __next__
