@@ -133,3 +133,22 @@ def test_a_loader_read_two_ahead_stops_the_run_by_name() -> None:
 
     _, fails = _split(two_ahead)
     assert fails and "read 2 batches ahead" in fails[0]
+
+
+def test_accelerate_s_own_accumulation_stops_the_run_by_name() -> None:
+    """accelerate steps every n-th ``accumulate()`` call: under a split it would step on micro-batches."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    def accumulating(model: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> tuple[Any, Any, Any]:
+        prepared: tuple[Any, Any, Any] = Accelerator(cpu=True, gradient_accumulation_steps=2).prepare(
+            model, opt, loader
+        )
+        return prepared
+
+    try:
+        _, fails = _split(accumulating)
+    finally:  # the next Accelerator starts from scratch
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert fails and "through accelerate (gradient_accumulation_steps=2)" in fails[0]

@@ -32,12 +32,14 @@ the micro-batch fetched is not the state of the one trained on. So each fetched 
 waits in a queue, and the loop enters it ``lookahead`` fetches later (at the end of an epoch, when the
 fetch that finds no more batches leaves one to train on). The look-ahead is measured, as the profiler
 measures it: the micro-batches fetched by the first training forward, less the one it runs on. One
-batch ahead at most: a deeper look-ahead stops the run, naming it.
+batch ahead at most: a deeper look-ahead stops the run, naming it, as does accelerate's own gradient
+accumulation (it would count micro-batches as its own and step on them).
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -135,6 +137,13 @@ class LoopSplit:
             self._fail(
                 f"accumulation_steps: the script's DataLoader is read {self.lookahead} batches ahead; "
                 "memdoctor run splits batches read at most one ahead; remove accumulation_steps"
+            )
+        steps = accelerate_accumulation()
+        if steps > 1:
+            self._fail(
+                f"accumulation_steps: the script accumulates gradients through accelerate "
+                f"(gradient_accumulation_steps={steps}), which would count memdoctor's micro-batches as "
+                "its own and step k times as often; remove accumulation_steps from the config"
             )
         self._enter(*pending.popleft())
 
@@ -301,6 +310,21 @@ class LoopSplit:
             return original(parameters, max_norm, *args, **kwargs)
 
         return clip_grad_norm_
+
+
+def accelerate_accumulation() -> int:
+    """The gradient accumulation steps of the script's ``accelerate.Accelerator`` (1 without one):
+    accelerate syncs and steps every n-th ``accumulate()`` call, so under a split it would step on
+    micro-batches. Read from its shared ``GradientState`` only where the script already set one up."""
+    state = sys.modules.get("accelerate.state")
+    cls = getattr(state, "GradientState", None)
+    if cls is None or not getattr(cls, "_shared_state", None):
+        return 1
+    try:
+        steps = cls().num_steps
+    except Exception:  # another accelerate: not ours to fail on
+        return 1
+    return steps if isinstance(steps, int) and steps > 0 else 1
 
 
 def _scheduler_classes() -> list[type]:
