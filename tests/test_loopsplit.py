@@ -445,6 +445,8 @@ def test_the_planner_knows_which_split_applies_before_proposing_it() -> None:
     assert one_ahead.kind == "loader"  # accelerate's prepared loader: the split follows it
     ahead = split({"loss": outside, "loader": True, "torch_optim": True, "knobs": None}, lookahead=2)
     assert ahead.kind is None and ahead.why_not is not None and "2 batches ahead" in ahead.why_not
+    own = split({"loss": outside, "loader": True, "torch_optim": True, "accelerate_accumulation": 4}, 1)
+    assert own.kind is None and "accelerate (gradient_accumulation_steps=4)" in (own.why_not or "")
     assert split_of(SimpleNamespace(collected={})).kind == "forward"  # an older trace: as before
 
 

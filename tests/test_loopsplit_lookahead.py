@@ -152,3 +152,37 @@ def test_accelerate_s_own_accumulation_stops_the_run_by_name() -> None:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     assert fails and "through accelerate (gradient_accumulation_steps=2)" in fails[0]
+
+
+def test_profile_records_accelerate_s_own_accumulation() -> None:
+    """Known before it is proposed: the loop facts say accelerate accumulates, and no loader split."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from memdoctor.capture.dataloader import DataCollector
+    from memdoctor.capture.session import ProfileSession
+    from memdoctor.plan.splits import split_of
+
+    records: list[dict[str, Any]] = []
+    session = ProfileSession(steps=2, warmup=0, sink=records.append, collectors=[DataCollector()])
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    data = torch.utils.data.TensorDataset(torch.randn(60, 6), torch.randint(0, 3, (60,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with session:
+            acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+            model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=10))
+            for x, y in loader:
+                with acc.accumulate(model):
+                    acc.backward(nn.functional.cross_entropy(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    facts = [r["data"] for r in records if r["type"] == "collector" and r["name"] == "data"][-1]
+    assert facts["loop"]["accelerate_accumulation"] == 2 and facts["lookahead"] == 1
+    split = split_of(SimpleNamespace(collected={"data": facts}))
+    assert split.kind is None and "through accelerate" in (split.why_not or "")

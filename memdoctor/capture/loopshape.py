@@ -12,6 +12,7 @@ the same functions when they split, so what the plan was made from is what ``mem
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -171,6 +172,21 @@ def batch_dim(batch: Any, expected: int | None = None) -> int | None:
     return dims.pop() if len(dims) == 1 else None
 
 
+def accelerate_accumulation() -> int:
+    """The gradient accumulation steps of the script's ``accelerate.Accelerator`` (1 without one):
+    accelerate syncs and steps every n-th ``accumulate()`` call, so under a split it would step on
+    micro-batches. Read from its shared ``GradientState`` only where the script already set one up."""
+    state = sys.modules.get("accelerate.state")
+    cls = getattr(state, "GradientState", None)
+    if cls is None or not getattr(cls, "_shared_state", None):
+        return 1
+    try:
+        steps = cls().num_steps
+    except Exception:  # another accelerate: not ours to fail on
+        return 1
+    return steps if isinstance(steps, int) and steps > 0 else 1
+
+
 # ----------------------------------------------------------------------------------------- the record
 
 
@@ -186,6 +202,7 @@ class LoopFacts:
         self.loader = False
         self.torch_optim = False
         self.knobs: dict[str, Any] | None = None
+        self.accelerate_accumulation = 1
         self._undo: list[Undo] = []
         self._configurators = ConfiguratorWatch()
         self._tried = False
@@ -196,6 +213,7 @@ class LoopFacts:
             "loader": self.loader,
             "torch_optim": self.torch_optim,
             "knobs": self.knobs,
+            "accelerate_accumulation": self.accelerate_accumulation,
         }
 
     def start(self) -> None:
@@ -223,6 +241,7 @@ class LoopFacts:
         """A ``torch.optim`` optimizer stepped (the collector's ``on_optimizer``)."""
         if not self.torch_optim:
             self.torch_optim = True
+            self.accelerate_accumulation = accelerate_accumulation()
             self._configured()
             self._changed()
 

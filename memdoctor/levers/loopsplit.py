@@ -39,7 +39,6 @@ accumulation (it would count micro-batches as its own and step on them).
 from __future__ import annotations
 
 import collections
-import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memdoctor.capture.loopshape import batch_layout
+from memdoctor.capture.loopshape import accelerate_accumulation, batch_layout
 from memdoctor.errors import ConfigError
 from memdoctor.levers.apply import split_batch
 from memdoctor.levers.backward import BackwardPatch
@@ -310,21 +309,6 @@ class LoopSplit:
             return original(parameters, max_norm, *args, **kwargs)
 
         return clip_grad_norm_
-
-
-def accelerate_accumulation() -> int:
-    """The gradient accumulation steps of the script's ``accelerate.Accelerator`` (1 without one):
-    accelerate syncs and steps every n-th ``accumulate()`` call, so under a split it would step on
-    micro-batches. Read from its shared ``GradientState`` only where the script already set one up."""
-    state = sys.modules.get("accelerate.state")
-    cls = getattr(state, "GradientState", None)
-    if cls is None or not getattr(cls, "_shared_state", None):
-        return 1
-    try:
-        steps = cls().num_steps
-    except Exception:  # another accelerate: not ours to fail on
-        return 1
-    return steps if isinstance(steps, int) and steps > 0 else 1
 
 
 def _scheduler_classes() -> list[type]:

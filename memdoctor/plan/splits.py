@@ -5,8 +5,9 @@ Read from the data collector's ``loop`` facts (docs/trace-format.md), in the ord
 1. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
 2. ``loader``: the loop computes the loss, its training batches come from a DataLoader read at most
-   one batch ahead (``accelerate``'s prepared loaders), and a ``torch.optim`` optimizer steps: split
-   each batch at the loader and defer the step (``memdoctor.levers.loopsplit``).
+   one batch ahead (``accelerate``'s prepared loaders), a ``torch.optim`` optimizer steps, and
+   accelerate does not accumulate by itself: split each batch at the loader and defer the step
+   (``memdoctor.levers.loopsplit``).
 3. ``arguments``: the script parses a batch-size and a gradient-accumulation argument, or has such
    config variables that a configurator verifiably sets from ``--name=value`` in argv (nanoGPT's
    ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
@@ -69,7 +70,8 @@ def split_of(trace: Trace | Any) -> Split:
     if not isinstance(loss, dict) or loss.get("in_forward"):
         return AS_BEFORE  # no training forward seen (a run that died first): as before
     lookahead = facts.get("lookahead")
-    if loop.get("loader") and loop.get("torch_optim") and not _deep(lookahead):
+    own = loop.get("accelerate_accumulation")
+    if loop.get("loader") and loop.get("torch_optim") and not _deep(lookahead) and not _many(own):
         return Split("loader")
     found = loop.get("knobs")
     knobs: dict[str, Any] = found if isinstance(found, dict) else {}
@@ -96,6 +98,11 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
     where = loss.get("why") or "the loop computes the loss"
     if loop.get("loader") and not loop.get("torch_optim"):
         source = "batches come from a DataLoader but no torch.optim optimizer steps (whose step could wait)"
+    elif loop.get("loader") and _many(loop.get("accelerate_accumulation")):
+        source = (
+            f"the script accumulates through accelerate (gradient_accumulation_steps="
+            f"{loop.get('accelerate_accumulation')}), which would step on memdoctor's micro-batches"
+        )
     elif loop.get("loader"):
         source = f"the DataLoader is read {lookahead} batches ahead (memdoctor run splits at most one ahead)"
     else:
@@ -109,6 +116,11 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
             "variables that a configurator sets from --name=value"
         )
     return f"no safe micro-batch split: {where}; {source}; {args}"
+
+
+def _many(steps: Any) -> bool:
+    """accelerate's own accumulation over more than one batch (``levers.loopsplit`` refuses it)."""
+    return isinstance(steps, int) and steps > 1
 
 
 def _deep(lookahead: Any) -> bool:
@@ -130,7 +142,7 @@ def reprofile_splits(trace: Trace | Any) -> list[Split]:
     if not isinstance(loop, dict) or isinstance(loop.get("loss"), dict):
         return [split] if split.kind is not None else []
     found: list[Split] = [AS_BEFORE]
-    if loop.get("loader"):
+    if loop.get("loader") and not _many(loop.get("accelerate_accumulation")):
         found.append(Split("loader"))
     knobs = loop.get("knobs")
     arguments = _arguments(knobs) if isinstance(knobs, dict) else None
