@@ -99,7 +99,9 @@ class ArgparseWatch:
 
 # ----------------------------------------------------------------------------------------- configurators
 
-_PLAIN = (int, float, str, bool, type(None))
+# What a trial copies of the script's globals: plain values (the configurator compares types) and
+# modules (one that uses the script's ``sys`` or ``os`` without importing it); never tensors or models.
+_PLAIN = (int, float, str, bool, type(None), types.ModuleType)
 
 
 @dataclasses.dataclass(frozen=True)
