@@ -214,7 +214,7 @@ def _trial(found: Configurator, extra: list[str]) -> dict[str, Any] | None:
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             exec(found.code, scratch)
-    except BaseException:  # a configurator that refuses (assert, SystemExit): not a knob
+    except (Exception, SystemExit):  # a configurator that refuses (assert, sys.exit): not a knob
         return None
     finally:
         sys.argv, _IN_TRIAL = argv, False

@@ -1,12 +1,14 @@
 """What a training loop looks like, for the planner to know which micro-batch split can apply.
 
-Three facts, measured while the script runs: where the loss is (``find_loss`` on the trained model's
+Facts measured while the script runs: where the loss is (``find_loss`` on the trained model's
 forward output: in it, or computed outside by the loop), the batch dimension of a batch (``batch_dims``:
 the dimension of each tensor whose size is the batch's, not assumed to be 0: a sequence-first RNN batch
 is ``[seq, batch, ...]``), and the script's own batch-size and gradient-accumulation knobs
 (``memdoctor.capture.knobs``: the options an ``argparse`` parser knows and the values it parsed, or
-config variables a configurator verifiably sets from ``--name=value``). The levers use
-the same functions when they split, so what the plan was made from is what ``memdoctor run`` does.
+config variables a configurator verifiably sets from ``--name=value``), and whether accelerate
+accumulates gradients by itself (``accelerate_accumulation``: the DataLoader split cannot combine with
+it). The levers use the same functions when they split, so what the plan was made from is what
+``memdoctor run`` does.
 """
 
 from __future__ import annotations
