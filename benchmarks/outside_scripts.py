@@ -161,6 +161,7 @@ CORPUS_SHAPES = {
     "hf_no_trainer_style": "accelerate + tiny GPT-2 from a config, model's own loss, accumulate()",
     "timm_style": "tiny ViT from a factory, label-smoothing loss in the loop, GradScaler(enabled=False)",
     "nanogpt_style": "GPT: own bf16 autocast, forward returns (logits, loss), get_batch(), --grad-accum",
+    "gpt_configurator_style": "GPT: globals an exec'd configurator.py sets (--name=value), loss in the loop",
 }
 
 

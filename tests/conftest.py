@@ -47,6 +47,7 @@ FAST_FILES = frozenset(
         "test_collectors.py",
         "test_compare.py",
         "test_config.py",
+        "test_script_knobs.py",
         "test_device_stats.py",
         "test_devicefacts.py",
         "test_gradnorms.py",

@@ -2,7 +2,8 @@
 
 Each script in ``tests/corpus/`` is written in the shape of a well-known public training script
 (pytorch/examples' imagenet, dcgan, word_language_model, time_sequence_prediction, regression and
-mnist_hogwild; a Hugging Face ``no_trainer`` loop; a timm-style loop; a minimal GPT trainer) and knows
+mnist_hogwild; a Hugging Face ``no_trainer`` loop; a timm-style loop; a minimal GPT trainer, with
+argparse and, as nanoGPT is, with globals a ``configurator.py`` overrides from ``--name=value``) and knows
 nothing of memdoctor. For each: ``memdoctor profile``, ``plan`` under a budget below the measured peak,
 ``run`` of that plan, and ``profile --budget --verify`` (``corpus/harness.py``). The loop holds when no
 stage printed a traceback, the profile found steps, and either the plan fits and both the run and a
@@ -39,6 +40,7 @@ SCRIPTS: dict[str, list[str]] = {
     "hf_no_trainer_style.py": [],
     "timm_style.py": [],
     "nanogpt_style.py": [],
+    "gpt_configurator_style.py": [],
 }
 
 _lock = threading.Lock()

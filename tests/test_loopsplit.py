@@ -323,7 +323,7 @@ def test_a_hand_updated_model_stops_the_loader_split_by_name() -> None:
 
 
 def test_script_arguments_are_added_to_the_parse_that_knows_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from memdoctor.capture.loopshape import knobs_of
+    from memdoctor.capture.knobs import knobs_of
 
     def parser() -> Any:
         import argparse
@@ -409,6 +409,7 @@ def test_profile_records_the_loop_shape_and_the_measured_batch_dimension() -> No
         "batch_value": 10,
         "accumulation_option": "--grad-accum",
         "accumulation_value": 2,
+        "style": "argparse",
     }
     assert batches and all((b["batch_size"], b["batch_dim"]) == (10, None) for b in batches)  # [6,10] + [10]
     # the script's own arguments first (its loop then runs each micro-batch), else the loader's split
@@ -445,8 +446,12 @@ def test_the_planner_knows_which_split_applies_before_proposing_it() -> None:
     none = split({"loss": outside, "loader": False, "torch_optim": False, "knobs": None})
     assert none.kind is None and not none.allows(2) and none.allows(1)
     assert none.why_not is not None and "batches do not come from a DataLoader" in none.why_not
-    ahead = split({"loss": outside, "loader": True, "torch_optim": True, "knobs": None}, lookahead=1)
-    assert ahead.kind is None and ahead.why_not is not None and "1 batch(es) ahead" in ahead.why_not
+    one_ahead = split({"loss": outside, "loader": True, "torch_optim": True, "knobs": None}, lookahead=1)
+    assert one_ahead.kind == "loader"  # accelerate's prepared loader: the split follows it
+    ahead = split({"loss": outside, "loader": True, "torch_optim": True, "knobs": None}, lookahead=2)
+    assert ahead.kind is None and ahead.why_not is not None and "2 batches ahead" in ahead.why_not
+    own = split({"loss": outside, "loader": True, "torch_optim": True, "accelerate_accumulation": 4}, 1)
+    assert own.kind is None and "accelerate (gradient_accumulation_steps=4)" in (own.why_not or "")
     assert split_of(SimpleNamespace(collected={})).kind == "forward"  # an older trace: as before
 
 

@@ -420,9 +420,12 @@ def test_the_planner_proposes_micro_batching_only_where_a_split_applies() -> Non
     trace = _with_loop(
         load_trace(GPT2_B8), {"loss": outside, "loader": True, "torch_optim": True, "knobs": None}
     )
-    assert trace.collected["data"]["lookahead"] == 1  # the HF Trainer reads one batch ahead
+    assert trace.collected["data"]["lookahead"] == 1  # the HF Trainer reads one batch ahead: followed
     w = measured_workload(trace, build_summary(trace))
-    assert w is not None and w.split.kind is None and "1 batch(es) ahead" in (w.split.why_not or "")
+    assert w is not None and w.split.kind == "loader" and accumulations(w) == [1, 2, 4, 8]
+    trace.collected["data"]["lookahead"] = 2
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and w.split.kind is None and "2 batches ahead" in (w.split.why_not or "")
     trace.collected["data"]["lookahead"] = 0
     w = measured_workload(trace, build_summary(trace))
     assert w is not None and w.split.kind == "loader" and accumulations(w) == [1, 2, 4, 8]

@@ -1,24 +1,27 @@
 """What a training loop looks like, for the planner to know which micro-batch split can apply.
 
-Three facts, measured while the script runs: where the loss is (``find_loss`` on the trained model's
+Facts measured while the script runs: where the loss is (``find_loss`` on the trained model's
 forward output: in it, or computed outside by the loop), the batch dimension of a batch (``batch_dims``:
 the dimension of each tensor whose size is the batch's, not assumed to be 0: a sequence-first RNN batch
-is ``[seq, batch, ...]``), and the script's own batch-size and gradient-accumulation arguments
-(``ArgparseWatch``: the options an ``argparse`` parser knows and the values it parsed). The levers use
-the same functions when they split, so what the plan was made from is what ``memdoctor run`` does.
+is ``[seq, batch, ...]``), and the script's own batch-size and gradient-accumulation knobs
+(``memdoctor.capture.knobs``: the options an ``argparse`` parser knows and the values it parsed, or
+config variables a configurator verifiably sets from ``--name=value``), and whether accelerate
+accumulates gradients by itself (``accelerate_accumulation``: the DataLoader split cannot combine with
+it). The levers use the same functions when they split, so what the plan was made from is what
+``memdoctor run`` does.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from memdoctor.patching import Undo, wrap_attr
+from memdoctor.capture.knobs import ArgparseWatch, ConfiguratorWatch, Knobs, trial_knobs
+from memdoctor.patching import Undo
 
 # Where a loss sits in a forward's output: () the output itself, ("key", k) a mapping's key,
 # ("index", i) a tuple's element, ("attr", name) an attribute (a dataclass field, HF's ModelOutput).
@@ -171,71 +174,19 @@ def batch_dim(batch: Any, expected: int | None = None) -> int | None:
     return dims.pop() if len(dims) == 1 else None
 
 
-# ----------------------------------------------------------------------------------------- knobs
-
-BATCH_KNOB = re.compile(r"^(?:train_|per_device_train_|micro_)?batch_?size$")
-ACCUMULATION_KNOB = re.compile(
-    r"^(?:gradient_accumulation_steps|grad_accum(?:ulation)?(?:_steps)?|accumulation_steps|accum(?:_steps)?)$"
-)
-
-
-@dataclasses.dataclass
-class Knobs:
-    """The script's batch-size and accumulation options (as typed: ``--batch-size``) and their values."""
-
-    batch_option: str | None = None
-    batch_value: int | None = None
-    accumulation_option: str | None = None
-    accumulation_value: int | None = None
-
-    def as_field(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def knobs_of(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> Knobs:
-    """The batch-size and accumulation options of ``parser`` with the values parsed into ``namespace``
-    (an int option only: a value memdoctor run can set by passing the option again)."""
-    knobs = Knobs()
-    for action in parser._actions:  # argparse has no public list of a parser's options
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        value = getattr(namespace, action.dest, None)
-        if not longs or not isinstance(value, int) or isinstance(value, bool):
-            continue
-        name = action.dest.lower().replace("-", "_")
-        if knobs.batch_option is None and BATCH_KNOB.match(name):
-            knobs.batch_option, knobs.batch_value = longs[0], value
-        elif knobs.accumulation_option is None and ACCUMULATION_KNOB.match(name):
-            knobs.accumulation_option, knobs.accumulation_value = longs[0], value
-    return knobs
-
-
-class ArgparseWatch:
-    """Records the knobs of every ``ArgumentParser.parse_known_args`` call (``parse_args`` goes through
-    it) while installed; ``on_knobs`` is called with each parse that found a batch-size option."""
-
-    def __init__(self, on_knobs: Callable[[Knobs], None]) -> None:
-        self._on_knobs = on_knobs
-
-    def install(self) -> Undo:
-        watch = self
-
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def parse_known_args(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
-                result = original(parser, *args, **kwargs)
-                watch._seen(parser, result)
-                return result
-
-            return parse_known_args
-
-        return wrap_attr(argparse.ArgumentParser, "parse_known_args", make)
-
-    def _seen(self, parser: argparse.ArgumentParser, result: Any) -> None:
-        try:
-            knobs = knobs_of(parser, result[0])
-        except Exception:  # never into the script's argument parsing
-            return
-        if knobs.batch_option is not None:
-            self._on_knobs(knobs)
+def accelerate_accumulation() -> int:
+    """The gradient accumulation steps of the script's ``accelerate.Accelerator`` (1 without one):
+    accelerate syncs and steps every n-th ``accumulate()`` call, so under a split it would step on
+    micro-batches. Read from its shared ``GradientState`` only where the script already set one up."""
+    state = sys.modules.get("accelerate.state")
+    cls = getattr(state, "GradientState", None)
+    if cls is None or not getattr(cls, "_shared_state", None):
+        return 1
+    try:
+        steps = cls().num_steps
+    except Exception:  # another accelerate: not ours to fail on
+        return 1
+    return steps if isinstance(steps, int) and steps > 0 else 1
 
 
 # ----------------------------------------------------------------------------------------- the record
@@ -253,7 +204,10 @@ class LoopFacts:
         self.loader = False
         self.torch_optim = False
         self.knobs: dict[str, Any] | None = None
+        self.accelerate_accumulation = 1
         self._undo: list[Undo] = []
+        self._configurators = ConfiguratorWatch()
+        self._tried = False
 
     def as_field(self) -> dict[str, Any]:
         return {
@@ -261,19 +215,23 @@ class LoopFacts:
             "loader": self.loader,
             "torch_optim": self.torch_optim,
             "knobs": self.knobs,
+            "accelerate_accumulation": self.accelerate_accumulation,
         }
 
     def start(self) -> None:
-        self._undo = [ArgparseWatch(self._knobs).install()]
+        self._undo = [ArgparseWatch(self._knobs).install(), self._configurators.start()]
 
     def stop(self) -> None:
         while self._undo:
             self._undo.pop()()
+        if self._configured():  # a run that died in its first forward: its re-profile may use them
+            self._changed()
 
     def forward_output(self, module: torch.nn.Module, out: Any) -> None:
         """The trained root's first training forward: where its loss is (``loss_fact``)."""
         if self.loss is None and module.training and torch.is_grad_enabled():
             self.loss = loss_fact(out)
+            self._configured()
             self._changed()
 
     def loader_batch(self) -> None:
@@ -285,9 +243,25 @@ class LoopFacts:
         """A ``torch.optim`` optimizer stepped (the collector's ``on_optimizer``)."""
         if not self.torch_optim:
             self.torch_optim = True
+            self.accelerate_accumulation = accelerate_accumulation()
+            self._configured()
             self._changed()
 
     def _knobs(self, knobs: Knobs) -> None:
         if self.knobs is None:
             self.knobs = knobs.as_field()
             self._changed()
+
+    def _configured(self) -> bool:
+        """By its first training forward or optimizer step the script has configured itself: the knobs
+        its configurators verifiably set (``trial_knobs``) where no argparse parse gave both a batch
+        and an accumulation option. Tried once; True when it found them."""
+        if self._tried or (self.knobs is not None and self.knobs.get("accumulation_option")):
+            return False
+        self._tried = True
+        for found in self._configurators.found:
+            knobs = trial_knobs(found)
+            if knobs is not None and (self.knobs is None or knobs.accumulation_option):
+                self.knobs = knobs.as_field()
+                return True
+        return False

@@ -63,7 +63,8 @@ def main() -> int:
         detail=cfg.get("detail", "auto"),
         collectors=collectors,
     )
-    code = _run(cfg, session, writer)
+    extra = installation.argv_args() if installation is not None else []
+    code = _run({**cfg, "argv_extra": extra}, session, writer)
     writer.close()
     return code
 

@@ -28,7 +28,7 @@ def main() -> int:
     from memdoctor.levers.install import install, say_stderr
 
     installation = install(cfg["config"], say=say_stderr, fail=_fail)
-    prepare_sys(cfg)
+    prepare_sys({**cfg, "argv_extra": installation.argv_args()})
     code = _run(cfg)
     installation.finish()
     return code

@@ -22,13 +22,15 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 
 
 def prepare_sys(cfg: dict[str, Any]) -> None:
-    """Make sys look as ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would."""
+    """Make sys look as ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would. ``argv_extra``:
+    arguments a plan appends to the user's (``memdoctor.levers.scriptargs``, the ``--name=value`` form)."""
+    args = [*cfg["args"], *cfg.get("argv_extra", ())]
     if cfg.get("module"):
-        sys.argv = [cfg["module"], *cfg["args"]]
+        sys.argv = [cfg["module"], *args]
         sys.path[0] = os.getcwd()
     else:
         script = os.path.abspath(cfg["script"])
-        sys.argv = [cfg["script"], *cfg["args"]]
+        sys.argv = [cfg["script"], *args]
         sys.path[0] = os.path.dirname(os.path.realpath(script))
 
 

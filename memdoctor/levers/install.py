@@ -98,10 +98,7 @@ class Installation:
             notes.append(self._padding.summary())
         split = self._split
         if isinstance(split, ScriptArguments) and not split.applied:
-            notes.append(
-                "NOT applied: accumulation_steps: no argparse parser of the script knows "
-                + " ".join(split.options)
-            )
+            notes.append("NOT applied: accumulation_steps: " + split.not_applied())
         if isinstance(split, LoopSplit) and not split.batches:
             notes.append(
                 "NOT applied: accumulation_steps: the script trained on no DataLoader batch to split"
@@ -164,8 +161,14 @@ class Installation:
         except ConfigError as exc:
             self.fail(str(exc))
 
+    def argv_args(self) -> list[str]:
+        """What the launcher appends to the script's command line (``ScriptArguments.argv_args``)."""
+        return self._split.argv_args() if isinstance(self._split, ScriptArguments) else []
+
     def on_model(self, root: nn.Module) -> None:
         self.model = root
+        if isinstance(self._split, ScriptArguments):
+            self._split.check(vars(sys.modules["__main__"]))
         cls = class_name(root)
         other = self.config.provenance.model_class
         if other and other != cls:

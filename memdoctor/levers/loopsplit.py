@@ -24,8 +24,16 @@ The script's optimizer-step count and LR schedule stay the script's. What change
 iterates k times per batch (``enumerate`` counts micro-batches; ``len(loader)`` still counts batches),
 and a loss it logs is a micro-batch's. Batches fetched in evaluation (``torch.no_grad()`` or the model
 in ``eval()``) are not split. Needs ``torch.optim`` (a script that updates parameters by hand cannot be
-deferred: the run stops, naming it) and a loop without look-ahead (``accelerate`` prepares loaders that
-fetch one batch ahead; the planner does not propose this split there).
+deferred: the run stops, naming it).
+
+Look-ahead. ``accelerate`` prepares loaders that fetch one batch ahead (to know whether the current one
+is the last), so the loop trains on micro-batch j while micro-batch j+1 is being fetched: the state of
+the micro-batch fetched is not the state of the one trained on. So each fetched micro-batch's state
+waits in a queue, and the loop enters it ``lookahead`` fetches later (at the end of an epoch, when the
+fetch that finds no more batches leaves one to train on). The look-ahead is measured, as the profiler
+measures it: the micro-batches fetched by the first training forward, less the one it runs on. One
+batch ahead at most: a deeper look-ahead stops the run, naming it, as does accelerate's own gradient
+accumulation (it would count micro-batches as its own and step on them).
 """
 
 from __future__ import annotations
@@ -39,11 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memdoctor.capture.loopshape import batch_layout
+from memdoctor.capture.loopshape import accelerate_accumulation, batch_layout
 from memdoctor.errors import ConfigError
 from memdoctor.levers.apply import split_batch
 from memdoctor.levers.backward import BackwardPatch
 from memdoctor.patching import Undo, set_attr, wrap_attr
+
+State = tuple[int, int, float]  # a micro-batch: its index, the batch's count of them, its share
 
 
 class LoopSplit:
@@ -74,6 +84,11 @@ class LoopSplit:
         self._built: list[weakref.ref[torch.optim.Optimizer]] = []  # optimizers not yet deferred
         self._wrapped: set[int] = set()
         self._layout: list[int | None] | None = None  # each tensor's batch dimension, from the first batch
+        # per iterator: the states of micro-batches fetched and not yet trained on; the last fetched from
+        self._pending: weakref.WeakKeyDictionary[Any, collections.deque[State]] = weakref.WeakKeyDictionary()
+        self._last: weakref.ref[Any] | None = None
+        self.lookahead: int | None = None  # measured at the first training forward
+        self._first_forward: Any = None  # the hook that measures it
         self.batches = 0
 
     # ------------------------------------------------------------------------------ state
@@ -90,6 +105,46 @@ class LoopSplit:
             self._backwards = 0
             self.batches += 1
         self._part, self._count, self._weight = part, count, weight
+
+    def _fetched(self, it: Any, state: State) -> None:
+        """A micro-batch was fetched from ``it``: the loop trains on the one fetched ``lookahead``
+        fetches ago from the same iterator."""
+        pending = self._pending.setdefault(it, collections.deque())
+        pending.append(state)
+        self._last = weakref.ref(it)
+        while self.lookahead is not None and len(pending) > self.lookahead:
+            self._enter(*pending.popleft())
+
+    def _ended(self, it: Any) -> None:
+        """The loader found no more batches: with look-ahead, the loop still trains on the last one."""
+        pending = self._pending.get(it)
+        if pending and self.lookahead:
+            self._enter(*pending.popleft())
+        else:
+            self._part = None  # the epoch is over: steps after the loop are the script's own
+
+    def _forward(self, module: nn.Module, _args: Any) -> None:
+        """The first training forward after a fetch measures the look-ahead (module docstring), on the
+        iterator fetched from last (a batch peeked at with ``next(iter(loader))`` is another's)."""
+        it = self._last() if self._last is not None else None
+        pending = self._pending.get(it) if it is not None else None
+        if not (pending and module.training and torch.is_grad_enabled()):
+            return
+        self._first_forward.remove()
+        self.lookahead = len(pending) - 1
+        if self.lookahead > 1:
+            self._fail(
+                f"accumulation_steps: the script's DataLoader is read {self.lookahead} batches ahead; "
+                "memdoctor run splits batches read at most one ahead; remove accumulation_steps"
+            )
+        steps = accelerate_accumulation()
+        if steps > 1:
+            self._fail(
+                f"accumulation_steps: the script accumulates gradients through accelerate "
+                f"(gradient_accumulation_steps={steps}), which would count memdoctor's micro-batches as "
+                "its own and step k times as often; remove accumulation_steps from the config"
+            )
+        self._enter(*pending.popleft())
 
     def _check_stepped(self) -> None:
         """A whole batch backpropagated with no optimizer step called: parameters updated by hand."""
@@ -126,6 +181,8 @@ class LoopSplit:
         ]
         for sched in _scheduler_classes():
             self._undo.append(wrap_attr(sched, "step", self._deferred_or(None)))
+        self._first_forward = nn.modules.module.register_module_forward_pre_hook(self._forward)
+        self._undo.append(self._first_forward.remove)
         self.backward.share = self.share
         return self.remove
 
@@ -143,12 +200,12 @@ class LoopSplit:
             queue = split._queues.get(it)
             if queue:
                 part, count, weight, micro = queue.popleft()
-                split._enter(part, count, weight)
+                split._fetched(it, (part, count, weight))
                 return micro
             try:
                 batch = original(it)
             except StopIteration:
-                split._part = None  # the epoch is over: steps after the loop are the script's own
+                split._ended(it)
                 raise
             if not (torch.is_grad_enabled() and split._training()):
                 return batch  # evaluation: not split
@@ -156,7 +213,7 @@ class LoopSplit:
             split._queues[it] = collections.deque(
                 (i, len(parts), w, micro) for i, (micro, w) in enumerate(parts) if i
             )
-            split._enter(0, len(parts), parts[0][1])
+            split._fetched(it, (0, len(parts), parts[0][1]))
             return parts[0][0]
 
         return __next__

@@ -2,16 +2,18 @@
 
 Read from the data collector's ``loop`` facts (docs/trace-format.md), in the order an expert would try:
 
-1. ``arguments``: the script parses a batch-size and a gradient-accumulation argument: pass smaller
-   batches and more accumulation steps, the effective batch unchanged (``memdoctor.levers.scriptargs``).
-   First: the script's own loop then runs each micro-batch, so everything it holds per batch shrinks
-   with it. A split inside the forward hands the loop the whole batch's outputs (a minimal GPT's fp32
+1. ``arguments``: the script parses a batch-size and a gradient-accumulation argument, or has such
+   config variables that a configurator verifiably sets from ``--name=value`` in argv (nanoGPT's
+   ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
+   effective batch unchanged (``memdoctor.levers.scriptargs``). First: the script's own loop then
+   runs each micro-batch, so everything it holds per batch shrinks with it. A split inside the forward hands the loop the whole batch's outputs (a minimal GPT's fp32
    logits, 2.47 GB on the H200, were held at micro-batch 1/2 and 1/4 alike).
 2. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
-3. ``loader``: the loop computes the loss, its training batches come from a DataLoader read without
-   look-ahead, and a ``torch.optim`` optimizer steps: split each batch at the loader and defer the
-   step (``memdoctor.levers.loopsplit``).
+3. ``loader``: the loop computes the loss, its training batches come from a DataLoader read at most
+   one batch ahead (``accelerate``'s prepared loaders), a ``torch.optim`` optimizer steps, and
+   accelerate does not accumulate by itself: split each batch at the loader and defer the step
+   (``memdoctor.levers.loopsplit``).
 
 Otherwise no split is safe, and ``why_not`` says precisely why; the planner then plans without
 micro-batching. A trace from before these facts were recorded plans as before (``forward``).
@@ -35,6 +37,7 @@ class Split:
     batch_value: int | None = None
     accumulation_option: str | None = None
     accumulation_value: int | None = None
+    style: str = "argparse"  # or "argv": ``--name=value`` entries a configurator reads
 
     def allows(self, k: int) -> bool:
         """Whether ``k`` micro-batches can be planned (the script's batch argument divides by ``k``)."""
@@ -50,7 +53,10 @@ class Split:
             return []
         assert self.batch_option and self.accumulation_option and self.batch_value
         steps = (self.accumulation_value or 1) * k
-        return [self.batch_option, str(self.batch_value // k), self.accumulation_option, str(steps)]
+        pairs = [(self.batch_option, self.batch_value // k), (self.accumulation_option, steps)]
+        if self.style == "argv":
+            return [f"{option}={value}" for option, value in pairs]
+        return [str(part) for pair in pairs for part in pair]
 
 
 AS_BEFORE = Split("forward")
@@ -73,7 +79,8 @@ def split_of(trace: Trace | Any) -> Split:
     if loss.get("in_forward"):
         return AS_BEFORE
     lookahead = facts.get("lookahead")
-    if loop.get("loader") and loop.get("torch_optim") and not lookahead:
+    own = loop.get("accelerate_accumulation")
+    if loop.get("loader") and loop.get("torch_optim") and not _deep(lookahead) and not _many(own):
         return Split("loader")
     return Split(None, _why_not(loss, loop, lookahead, knobs))
 
@@ -90,6 +97,7 @@ def _arguments(knobs: dict[str, Any]) -> Split | None:
         batch_value=_int(knobs.get("batch_value")),
         accumulation_option=str(knobs["accumulation_option"]),
         accumulation_value=_int(knobs.get("accumulation_value")) or 1,
+        style="argv" if knobs.get("style") == "argv" else "argparse",
     )
 
 
@@ -97,15 +105,34 @@ def _why_not(loss: dict[str, Any], loop: dict[str, Any], lookahead: Any, knobs: 
     where = loss.get("why") or "the loop computes the loss"
     if loop.get("loader") and not loop.get("torch_optim"):
         source = "batches come from a DataLoader but no torch.optim optimizer steps (whose step could wait)"
+    elif loop.get("loader") and _many(loop.get("accelerate_accumulation")):
+        source = (
+            f"the script accumulates through accelerate (gradient_accumulation_steps="
+            f"{loop.get('accelerate_accumulation')}), which would step on memdoctor's micro-batches"
+        )
     elif loop.get("loader"):
-        source = f"the DataLoader is read {lookahead} batch(es) ahead (accelerate), so a split cannot align"
+        source = f"the DataLoader is read {lookahead} batches ahead (memdoctor run splits at most one ahead)"
     else:
         source = "batches do not come from a DataLoader"
     if knobs.get("batch_option"):
-        args = f"the script has a batch-size argument ({knobs['batch_option']}) but no accumulation argument"
+        kind = "config variable" if knobs.get("style") == "argv" else "argument"
+        args = f"the script has a batch-size {kind} ({knobs['batch_option']}) but no accumulation {kind}"
     else:
-        args = "the script has no batch-size and accumulation arguments (argparse)"
+        args = (
+            "the script has no batch-size and accumulation arguments (argparse), nor such config "
+            "variables that a configurator sets from --name=value"
+        )
     return f"no safe micro-batch split: {where}; {source}; {args}"
+
+
+def _many(steps: Any) -> bool:
+    """accelerate's own accumulation over more than one batch (``levers.loopsplit`` refuses it)."""
+    return isinstance(steps, int) and steps > 1
+
+
+def _deep(lookahead: Any) -> bool:
+    """A look-ahead the loader split cannot follow: more than one batch (``levers.loopsplit``)."""
+    return isinstance(lookahead, int) and lookahead > 1
 
 
 def _int(value: Any) -> int | None:
@@ -125,7 +152,7 @@ def reprofile_splits(trace: Trace | Any) -> list[Split]:
     arguments = _arguments(knobs) if isinstance(knobs, dict) else None
     found: list[Split] = [arguments] if arguments is not None else []
     found.append(AS_BEFORE)
-    if loop.get("loader"):
+    if loop.get("loader") and not _many(loop.get("accelerate_accumulation")):
         found.append(Split("loader"))
     return found
 
