@@ -6,8 +6,9 @@ Read from the data collector's ``loop`` facts (docs/trace-format.md), in the ord
    config variables that a configurator verifiably sets from ``--name=value`` in argv (nanoGPT's
    ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
    effective batch unchanged (``memdoctor.levers.scriptargs``). First: the script's own loop then
-   runs each micro-batch, so everything it holds per batch shrinks with it. A split inside the forward hands the loop the whole batch's outputs (a minimal GPT's fp32
-   logits, 2.47 GB on the H200, were held at micro-batch 1/2 and 1/4 alike).
+   runs each micro-batch, so everything it holds per batch shrinks with it. A split inside the
+   forward hands the loop the whole batch's outputs (a minimal GPT's fp32 logits, 2.47 GB on the
+   H200, were held at micro-batch 1/2 and 1/4 alike).
 2. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
 3. ``loader``: the loop computes the loss, its training batches come from a DataLoader read at most
