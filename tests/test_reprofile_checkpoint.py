@@ -19,6 +19,8 @@ from torch import nn
 from tracebuilder import trace_from_records
 
 from memdoctor import exitcodes
+from memdoctor.analysis.layers import layer_table
+from memdoctor.analysis.steps import peak_step
 from memdoctor.capture.session import ProfileSession
 from memdoctor.cli import main
 from memdoctor.launch.reprofile import reprofile
@@ -101,12 +103,14 @@ def test_see_through_is_not_used_without_a_consumer() -> None:
 # ----------------------------------------------------------------------------------------- the merge
 
 
-def _profiled(tmp_path: Path, name: str, checkpointed: bool) -> tuple[Trace, dict[str, Any]]:
+def _profiled(
+    tmp_path: Path, name: str, checkpointed: bool, time_depth: int | None = None
+) -> tuple[Trace, dict[str, Any]]:
     """Two steps of the tiny get_batch() loop under a session, every block checkpointed and seen
     through when ``checkpointed``."""
     torch.manual_seed(0)
     records: list[dict[str, Any]] = []
-    session = ProfileSession(steps=1, warmup=1, sink=records.append)
+    session = ProfileSession(steps=1, warmup=1, sink=records.append, time_depth=time_depth)
     inst = None
     if checkpointed:
         inst = install(
@@ -158,6 +162,22 @@ def test_the_checkpointed_run_measures_each_block_as_the_script_holds_it(
     assert "4 blocks checkpointed at the full batch" in w.notes[-1]
 
 
+def test_untimed_blocks_are_held_whole_from_the_forward_end(
+    runs: dict[str, tuple[Trace, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Blocks called deeper than the timing depth have no samples and no ``checkpoint_free_bytes``: each
+    is taken as held whole (its input too) from the model's forward end: an upper bound, by at most the
+    blocks' inputs (4 x 256 KiB)."""
+    truth = measured_workload(*runs["plain"])
+    trace, summary = _profiled(tmp_path, "untimed", True, time_depth=0)
+    assert {r["checkpoint_free_bytes"] for r in layer_table(trace, peak_step(trace)) if r["depth"] == 2} == {
+        None
+    }
+    w = checkpointed_workload(trace, summary, BLOCKS, oom_budget=None)
+    assert truth is not None and w is not None
+    assert truth.peak_bytes <= w.peak_bytes <= truth.peak_bytes + 4 * 256 * 1024
+
+
 def test_without_seeing_through_a_checkpointed_block_holds_only_its_input(
     runs: dict[str, tuple[Trace, dict[str, Any]]], tmp_path: Path
 ) -> None:
@@ -203,6 +223,7 @@ def test_where_no_split_applies_every_block_is_checkpointed_at_the_full_batch(tm
     record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
     (req,) = runner.requests
     assert req.see_checkpointed and req.steps == 1 and req.out_dir == tmp_path / "reprofile"
+    assert req.time_depth == 3  # transformer.h.N timed, whatever depth the first run picked
     assert req.config is not None and req.config["accumulation_steps"] == 1
     assert req.config["checkpoint"] == [f"transformer.h.{i}" for i in range(12)]
     assert req.config["provenance"]["model_class"] == "GPT2LMHeadModel"

@@ -26,7 +26,7 @@ from memdoctor.outputs import round_folder
 from memdoctor.plan.checkpointed import blocks_to_checkpoint, checkpointed_workload
 from memdoctor.plan.reprofiled import as_record, unmeasured_modules
 from memdoctor.plan.splits import Split
-from memdoctor.trace import Trace, read_trace
+from memdoctor.trace import ModelInfo, Trace, read_trace
 from memdoctor.units import first_names
 
 SHOWN = 3
@@ -61,8 +61,12 @@ def checkpoint_round(
         ),
     )
     out = round_folder(request.out_dir, "reprofile", n)
+    # every block timed, so that its forward end and backward end are in the timeline (the merge)
+    depth = max(request.time_depth or 0, max(_depth(info, info.names.index(b)) for b in blocks))
     result = run(
-        dataclasses.replace(request, out_dir=out, steps=1, config=config.as_dict(), see_checkpointed=True)
+        dataclasses.replace(
+            request, out_dir=out, steps=1, config=config.as_dict(), see_checkpointed=True, time_depth=depth
+        )
     )
     second = read_trace(result.trace_path)
     missing = unmeasured_modules(second) if second is not None else None
@@ -103,6 +107,14 @@ def checkpoint_round(
             f"({result.message}): not retried, as checkpointing every block is the most a re-profile at "
             "the full batch can take away"
         )
+
+
+def _depth(info: ModelInfo, i: int) -> int:
+    """Module ``i``'s depth in the model's tree (the root 0): at least its call depth."""
+    depth = 0
+    while info.parents[i] >= 0:
+        i, depth = info.parents[i], depth + 1
+    return depth
 
 
 def seen(trace: Trace) -> bool:

@@ -107,7 +107,10 @@ def _rebuilt(trace: Trace, step: StepRecord, model: int, blocks: list[int]) -> d
     cols = {c: [int(v or 0) for v in (tl.get(c) or [0] * n)] for c in CATEGORIES}
     held = [0] * n
     for b in blocks:
-        free = int(rows[b]["checkpoint_free_bytes"] or 0) if b in rows else 0
+        row = rows.get(b) or {}
+        # untimed (never with the round's time depth): all it saved, its input too (an upper bound)
+        free = row.get("checkpoint_free_bytes")
+        free = int(free if free is not None else row.get("activation_bytes") or 0)
         start, end = _held_span(tl, model, b, n)
         for i in range(start, end):
             held[i] += free
@@ -128,13 +131,17 @@ def _rebuilt(trace: Trace, step: StepRecord, model: int, blocks: list[int]) -> d
 def _held_span(tl: dict[str, Any], model: int, block: int, n: int) -> tuple[int, int]:
     """Timeline samples [start, end) over which the script as it is holds ``block``'s activations: from
     its first forward end in the step's own forward to its last backward end (without one, the end of
-    the step's backward); (0, 0) when its forward never ended."""
+    the step's backward). A block without samples (called deeper than the timing depth) is taken as
+    held from the model's forward end through the whole backward."""
     events, phases = tl.get("event") or [], tl.get("phase") or []
     models, modules = tl.get("model") or [None] * n, tl.get("module") or [None] * n
     mine = [i for i in range(n) if models[i] == model and modules[i] == block]
     start = next((i for i in mine if events[i] == "fwd_post" and phases[i] == "forward"), None)
     if start is None:
-        return 0, 0
+        mine = []
+        start = next(
+            (i for i in range(n) if models[i] == model and modules[i] == 0 and events[i] == "fwd_post"), n
+        )
     ends = [i for i in mine if events[i] == "bwd_post" and i > start]
     if ends:
         return start, ends[-1]
