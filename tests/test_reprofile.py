@@ -395,13 +395,17 @@ def test_a_split_that_does_not_apply_gives_way_to_the_next_at_the_same_micro_bat
     assert from_record(record["workload"]).split.kind == "loader"
 
 
-def test_no_reprofile_where_no_split_applies_and_the_record_says_why(tmp_path: Path) -> None:
+def test_no_micro_batch_reprofile_where_no_split_applies_and_the_record_says_why(tmp_path: Path) -> None:
+    """The one round is the checkpointed one (tests/test_reprofile_checkpoint.py); here it dies again."""
     trace, summary = _first()
     outside = {"in_forward": False, "at": None, "why": "the loop computes it"}
     _with_loop(trace, {"loss": outside, "loader": False, "torch_optim": True, "knobs": None})
-    runner = FakeRunner([])
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, load_trace(GPT2_OOM))])
     record = reprofile(trace, summary, _request(tmp_path), runner, lambda _: None, max_rounds=3)
-    assert runner.requests == [] and record["rounds"] == []
+    (req,) = runner.requests
+    assert req.config is not None and req.config["accumulation_steps"] == 1 and req.see_checkpointed
+    assert record["rounds"][0]["split"] is None and record["workload"] is None
+    assert "not come from a DataLoader" in record["why_no_split"]
     assert (
         "no safe micro-batch split" in record["stopped"] and "not come from a DataLoader" in record["stopped"]
     )

@@ -180,6 +180,13 @@ class ProfileSession:
             self._calls.stop()
         self._running = False
 
+    def see_saved(self, tensor: torch.Tensor) -> None:
+        """A tensor a checkpointed module's forward saves, which the checkpoint drops (its own hook
+        replaces the ledger's there): counted as if saved, on steps with the per-module ledger
+        (``memdoctor.levers.apply.SeeThrough``: the checkpoint-all re-profile)."""
+        if self._hooks.module_handles:
+            self._ledger.pack(tensor)
+
     def detailed(self, step: int) -> bool:
         """Whether ``step`` records the per-module ledger (else it is a timing step)."""
         return self._schedule.detailed(step)

@@ -117,7 +117,8 @@ def _add_measure_options(p: argparse.ArgumentParser) -> None:
         "after it unmeasured; in the model's own code, the loop's loss, backward or the optimizer step), "
         "profile it again at micro-batches of 1/2, 1/4, ... of the batch (gradient accumulation, into "
         "OUT/reprofile), at most N runs, and plan from the first that measures every module (or finishes "
-        "its step), scaled back to the full batch (default: 3; 0: never)",
+        "its step), scaled back to the full batch; where no micro-batch split applies, once at the full "
+        "batch with every repeated block checkpointed (default: 3; 0: never)",
     )
     p.add_argument(
         "--config",

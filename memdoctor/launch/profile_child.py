@@ -38,7 +38,8 @@ def main() -> int:
 
     writer = TraceWriter(cfg["trace_path"])
     header_written: list[bool] = []
-    installation = _install_config(cfg, writer, header_written)  # before CUDA starts (the allocator)
+    sessions: list[Any] = []  # the session, once made: checkpointed saves are shown to its ledger
+    installation = _install_config(cfg, writer, header_written, sessions)  # before CUDA starts
     device = default_device()
     collectors, header = start_run(cfg, device)
     writer.write(header)
@@ -63,16 +64,19 @@ def main() -> int:
         detail=cfg.get("detail", "auto"),
         collectors=collectors,
     )
+    sessions.append(session)
     extra = installation.argv_args() if installation is not None else []
     code = _run({**cfg, "argv_extra": extra}, session, writer)
     writer.close()
     return code
 
 
-def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool]) -> Any:
+def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool], sessions: list[Any]) -> Any:
     """``--config``: the plan installed as ``memdoctor run`` installs it (``memdoctor.levers.install``);
     each part applied later (when the script builds its optimizer) is an event ``config_applied``, and
-    a part that cannot apply raises ``ConfigError`` into the script, recorded as its exception."""
+    a part that cannot apply raises ``ConfigError`` into the script, recorded as its exception. With
+    ``see_checkpointed`` (the checkpoint-all re-profile), what checkpointed modules save is counted by
+    the session's ledger as if they were not checkpointed (``ProfileSession.see_saved``)."""
     if not cfg.get("config"):
         return None
     from memdoctor.levers.install import install, say_stderr
@@ -82,7 +86,11 @@ def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool]
         if header_written:  # the earlier lines are written after the header
             writer.write(event_record("config_applied", line))
 
-    return install(cfg["config"], say=say)
+    def see(tensor: Any) -> None:
+        if sessions:
+            sessions[0].see_saved(tensor)
+
+    return install(cfg["config"], say=say, see_saved=see if cfg.get("see_checkpointed") else None)
 
 
 def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, Any]]:

@@ -8,11 +8,14 @@ after every module had run: until a step completes). The batch is split the way
 the script allows (``memdoctor.plan.splits.reprofile_splits``): inside the forward when it returns the
 loss, at the DataLoader when the loop computes it, or through the script's own batch-size and
 accumulation arguments; a run that died before its loss was seen tries them in that order (a split
-that does not apply stops its round at once, with a config error). Where none applies, no re-profile
-runs and the record says why. Each run writes into its
-own folder inside the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never over the first
-run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py`` writes into the
-FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
+that does not apply stops its round at once, with a config error). Where none applies (or every split
+tried was refused), one round profiles the full batch with every repeated block checkpointed instead
+(``memdoctor.launch.reprofile_checkpoint``), which needs no split; the record says why no split
+applied. A round whose run still dies is not repeated as it was: micro-batch rounds halve the
+micro-batch only while the forward gets further, and the checkpointed round runs once. Each run
+writes into its own folder inside the first one (``OUT/reprofile``, ``OUT/reprofile-2``, ...), never
+over the first run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py``
+writes into the FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
 
 The profile runner is a parameter, so the loop is testable without a child process.
 """
@@ -25,6 +28,7 @@ from typing import Any
 from memdoctor import exitcodes
 from memdoctor.analysis.faults import died_in
 from memdoctor.config import PlanConfig
+from memdoctor.launch.reprofile_checkpoint import checkpoint_round
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.outputs import round_folder
 from memdoctor.plan.measure import batch_size
@@ -84,13 +88,16 @@ def reprofile(
         "accumulation_steps": None,
         "workload": None,
         "stopped": None,
+        "method": "micro_batch",  # or "checkpoint": the last resort, where no split applies
+        "why_no_split": None,
+        "checkpointed": [],
     }
     say(f"reprofile: {why(trace) or 'the run ran out of memory'}")
     splits = reprofile_splits(trace)
+    budget = target.budget_bytes if target else None
     if not splits:
-        record["stopped"] = split_of(trace).why_not or "no micro-batch split applies to this script"
-        say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
-        return record
+        record["why_no_split"] = split_of(trace).why_not or "no micro-batch split applies to this script"
+        return _last_resort(1, trace, request, run, say, budget, record, max_rounds)
     before, n, k = len(missing), 0, 2
     finish = not before  # a run that died after every module ran: planned from a round whose step completed
     while n < max_rounds:
@@ -98,7 +105,6 @@ def reprofile(
         if batch is not None and k > batch:
             record["stopped"] = f"a micro-batch of 1 (of {batch}) still did not measure every module"
             break
-        budget = target.budget_bytes if target else None
         r, w = _one(n, k, batch, request, run, say, budget, splits[0], finish)
         record["rounds"].append(r)
         if w is not None:
@@ -109,6 +115,9 @@ def reprofile(
             say(f"reprofile {n}: the {splits[0].kind} split does not apply ({r['message']}); trying the next")
             splits.pop(0)
             continue  # the same micro-batch, split another way
+        if r["exit_code"] == exitcodes.USAGE_ERROR:  # the last split refused too: none applies
+            record["why_no_split"] = refused(splits[0].kind, r["message"])
+            return _last_resort(n + 1, trace, request, run, say, budget, record, max_rounds)
         if r["exit_code"] not in (exitcodes.OK, exitcodes.OUT_OF_MEMORY):
             record["stopped"] = f"the re-profiled run failed ({r['status']}: {r['message']})"
             break
@@ -124,6 +133,37 @@ def reprofile(
     else:
         record["stopped"] = f"no re-profile measured every module in {max_rounds} rounds (--reprofile)"
     say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
+    return record
+
+
+def refused(kind: str | None, message: str) -> str:
+    """Why no split applies, when the last one tried was refused: its first reason, without the advice
+    the refusal goes on with (``memdoctor run``'s config error)."""
+    reason = message.removeprefix("the plan could not be applied: ")
+    reason = reason.split(", so ")[0].split("; ")[0]
+    return f"no micro-batch split applies: the {kind} split was refused ({reason})"
+
+
+def _last_resort(
+    n: int,
+    trace: Trace,
+    request: ProfileRequest,
+    run: Runner,
+    say: Say,
+    budget: int | None,
+    record: dict[str, Any],
+    max_rounds: int,
+) -> dict[str, Any]:
+    """Where no split applies: round ``n`` with every repeated block checkpointed
+    (``memdoctor.launch.reprofile_checkpoint``), when ``max_rounds`` allows one more."""
+    if n > max_rounds:
+        record["stopped"] = (
+            f"{record['why_no_split']}; no round left for a checkpointed re-profile (--reprofile)"
+        )
+    else:
+        checkpoint_round(n, trace, request, run, say, budget, record)
+    if record["workload"] is None:
+        say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
     return record
 
 

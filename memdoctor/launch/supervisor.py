@@ -52,6 +52,9 @@ class ProfileRequest:
     # a memdoctor.yaml's content (``PlanConfig.as_dict()``) for the child to apply while profiling
     # (``profile --config``, ``--verify``); None profiles the script as it is
     config: dict[str, Any] | None = None
+    # with ``config``: count what its checkpointed modules save as if they were not checkpointed (the
+    # checkpoint-all re-profile, ``memdoctor.launch.reprofile``; ``memdoctor.levers.apply.SeeThrough``)
+    see_checkpointed: bool = False
 
 
 @dataclass
@@ -143,6 +146,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "detail": req.detail,
         "collect": req.collect if isinstance(req.collect, list) else parse_names(req.collect),
         "config": req.config,
+        "see_checkpointed": req.see_checkpointed,
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,

@@ -104,17 +104,84 @@ class Applied:
         self._undo.append(checkpoint_module(module))
 
 
-def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
+SeeSaved = Callable[[torch.Tensor], None]
+
+
+def checkpoint_module(module: torch.nn.Module, see_saved: SeeSaved | None = None) -> Callable[[], None]:
     """Recompute ``module``'s forward in backward (non-reentrant ``torch.utils.checkpoint``); return the
     undo. The wrapper is an instance attribute (``memdoctor.patching.wrap_forward``); under
-    ``torch.no_grad()`` the module runs unwrapped (nothing is saved to recompute)."""
+    ``torch.no_grad()`` the module runs unwrapped (nothing is saved to recompute).
+
+    ``see_saved`` (the checkpoint-all re-profile, ``memdoctor.launch.reprofile``): called with every
+    tensor the forward would have saved for backward had it not been checkpointed (``SeeThrough``)."""
 
     def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return inner(*args, **kwargs)
+        if see_saved is not None and can_see_through():
+            see = see_saved
+            return torch_checkpoint(
+                inner,
+                *args,
+                use_reentrant=False,
+                context_fn=lambda: (SeeThrough(see), contextlib.nullcontext()),
+                **kwargs,
+            )
         return torch_checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     return wrap_forward(module, checkpointed)
+
+
+# The saved-tensors hooks in force (pack, unpack), innermost first: a private binding of torch's, read
+# behind a feature check (torch's own AOT autograd reads it the same way). torch has no public way to
+# chain saved-tensors hooks: the innermost one alone is called.
+_TOP_HOOKS = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+
+
+def can_see_through() -> bool:
+    """Whether this torch lets ``SeeThrough`` find the checkpoint's own hooks."""
+    return _TOP_HOOKS is not None
+
+
+class SeeThrough(torch.autograd.graph.saved_tensors_hooks):
+    """Inside a checkpointed forward (``torch.utils.checkpoint``'s ``context_fn``, entered just after
+    the checkpoint's own saved-tensors hooks): shows ``see`` each tensor the forward saves, then hands
+    it to the checkpoint's hook, which keeps no reference to it (the tensor is freed as it would be
+    under checkpointing; only its recomputation in backward brings it back). Why: a profiler's own
+    saved-tensors hook (memdoctor's ledger) is not called under a checkpoint, so a checkpointed
+    module's activations are never measured; with this, its forward is measured as if it were not
+    checkpointed, while the run holds only what checkpointing holds."""
+
+    def __init__(self, see: SeeSaved) -> None:
+        # Closures over a cell rather than bound methods: the graph keeps the unpack hook, which
+        # reaches the checkpoint's frame and its saved inputs; a cycle through ``self`` would keep those
+        # alive until the garbage collector ran, not until the graph is freed.
+        inner: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = []
+        self._inner = inner
+
+        def pack(tensor: torch.Tensor) -> Any:
+            see(tensor)
+            return inner[0][0](tensor)
+
+        def unpack(packed: Any) -> Any:
+            return inner[0][1](packed)
+
+        super().__init__(pack, unpack)
+
+    def __enter__(self) -> None:
+        self._inner[:] = [_top_hooks()]  # the checkpoint's, entered just before this
+        super().__enter__()
+
+
+def _top_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    assert _TOP_HOOKS is not None
+    try:
+        found = _TOP_HOOKS(True)  # ignore_is_tracing
+    except TypeError:  # a torch whose binding takes no argument
+        found = _TOP_HOOKS()
+    if found is None:
+        raise RuntimeError("memdoctor: no checkpoint saved-tensors hook to see through")
+    return found[0], found[1]
 
 
 def no_kv_cache(root: torch.nn.Module) -> Callable[[], None] | None:

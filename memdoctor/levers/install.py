@@ -24,7 +24,7 @@ from memdoctor.config import PlanConfig, check_modules
 from memdoctor.config.file import config_from_mapping
 from memdoctor.errors import ConfigError
 from memdoctor.levers import FrameworkPatch
-from memdoctor.levers.apply import _allocator, checkpoint_module, no_kv_cache
+from memdoctor.levers.apply import SeeSaved, _allocator, can_see_through, checkpoint_module, no_kv_cache
 from memdoctor.levers.autocast import LossScaling, autocast_forward
 from memdoctor.levers.backward import BackwardPatch
 from memdoctor.levers.frameworks import patch_frameworks
@@ -41,6 +41,8 @@ from memdoctor.units import first_names
 
 Say = Callable[[str], None]
 _SHOWN_NAMES = 6
+# Said (and recorded as a ``config_applied`` event) when checkpointed modules' saves are seen through.
+SEEN_THROUGH = "their saved tensors are measured in forward as if not checkpointed"
 
 
 def say_stderr(line: str) -> None:
@@ -58,6 +60,7 @@ class Installation:
     config: PlanConfig
     say: Say
     fail: Callable[[str], None]
+    see_saved: SeeSaved | None = None  # the checkpoint-all re-profile (``checkpoint_module``)
     lines: list[str] = field(default_factory=list)
     model: nn.Module | None = None
     framework: FrameworkPatch = field(default_factory=FrameworkPatch)
@@ -180,9 +183,10 @@ class Installation:
         c = self.config
         if c.checkpoint and self.ours("checkpoint"):
             for name in c.checkpoint:
-                self._undo.append(checkpoint_module(root.get_submodule(name)))
+                self._undo.append(checkpoint_module(root.get_submodule(name), self.see_saved))
             shown = first_names(c.checkpoint, _SHOWN_NAMES, " ")
-            self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}")
+            seen = f"; {SEEN_THROUGH}" if self.see_saved is not None and can_see_through() else ""
+            self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}{seen}")
             undo = no_kv_cache(root)
             if undo is not None:
                 self._undo.append(undo)
@@ -357,15 +361,18 @@ def install(
     *,
     say: Say = say_stderr,
     fail: Callable[[str], None] = raise_config_error,
+    see_saved: SeeSaved | None = None,
 ) -> Installation:
     """Install ``config`` (a ``PlanConfig``, or its mapping as in ``memdoctor.yaml``) in this process.
 
     ``say`` prints each applied part; ``fail`` reports a part that cannot be applied (default: raise
     ``ConfigError``; ``memdoctor run`` prints the line and exits 2). Call ``remove()`` to undo.
+    ``see_saved``: what checkpointed modules save is shown to it (a profiled run's ledger, for the
+    checkpoint-all re-profile: ``memdoctor.levers.apply.SeeThrough``).
     """
     if not isinstance(config, PlanConfig):
         config = config_from_mapping(dict(config), "config")  # the loader's own checks, on a mapping
-    inst = Installation(config, say, fail)
+    inst = Installation(config, say, fail, see_saved)
     try:
         _install_now(inst)
     except BaseException:

@@ -142,8 +142,18 @@ def summary_record(trace: Trace) -> dict[str, Any] | None:
         return None
     found = record.get("rounds")
     rounds = [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
-    keys = ("round", "accumulation_steps", "micro_batch", "trace", "status", "unmeasured_modules")
+    keys = (
+        "round",
+        "accumulation_steps",
+        "micro_batch",
+        "trace",
+        "status",
+        "unmeasured_modules",
+        "checkpointed",
+    )
     missing = record.get("unmeasured_modules")
+    blocks = record.get("checkpointed")
+    why = record.get("why_no_split")
     return {
         "unmeasured_modules": [str(m) for m in missing] if isinstance(missing, list) else [],
         "batch_size": _int(record.get("batch_size")),
@@ -152,6 +162,11 @@ def summary_record(trace: Trace) -> dict[str, Any] | None:
         "accumulation_steps": _int(record.get("accumulation_steps")),
         "planned_from_reprofile": reprofiled_workload(trace) is not None,
         "stopped": None if record.get("stopped") is None else str(record.get("stopped")),
+        # "checkpoint": no micro-batch split applied (``why_no_split``), so the re-profile checkpointed
+        # every repeated block (``checkpointed``) at the full batch (``memdoctor.plan.checkpointed``)
+        "method": "checkpoint" if record.get("method") == "checkpoint" else "micro_batch",
+        "why_no_split": None if why is None else str(why),
+        "checkpointed": [str(b) for b in blocks] if isinstance(blocks, list) else [],
     }
 
 
@@ -167,6 +182,14 @@ def advice(found: dict[str, Any]) -> str:
     k = found["accumulation_steps"]
     used: dict[str, Any] = next((r for r in found["rounds"] if r["round"] == found["used_round"]), {})
     where = f" ({used['trace']})" if used.get("trace") else ""
+    if found["method"] == "checkpoint":
+        blocks = found["checkpointed"]
+        return (
+            f"{died}; {found['why_no_split'] or 'no micro-batch split applies'}, so memdoctor re-profiled "
+            f"it at the full batch with every repeated block checkpointed ({len(blocks)}: "
+            f"{first_names(blocks, 3)}){where}, and this plan is made from that run, each block's "
+            "activations measured in its forward and added back"
+        )
     return (
         f"{died}; memdoctor re-profiled it at micro-batch 1/{k}{where} and this plan is made from that run, "
         f"its activations scaled x{k} back to the full batch"
