@@ -69,6 +69,7 @@ FAST_FILES = frozenset(
         "test_report.py",
         "test_report_visuals.py",
         "test_reprofile.py",
+        "test_reprofile_state.py",
         "test_session_schedule.py",
         "test_steps_found.py",
         "test_story_scenario.py",
