@@ -52,6 +52,7 @@ FAST_FILES = frozenset(
         "test_gradnorms.py",
         "test_histograms.py",
         "test_history.py",
+        "test_host_optimizer.py",
         "test_loopsplit.py",
         "test_ledger_offload.py",
         "test_nvtx.py",

@@ -40,7 +40,8 @@ WEIGHTED = re.compile(r"Linear|Embedding|Conv|Norm", re.I)
 DEFAULT_ROUNDS = 3
 # Optimizers holding two moments per parameter, each of the parameter's size (torch's Adam family): their
 # state counts in what a smaller micro-batch cannot shrink even in a run that died before their first step
-# created it. Any other optimizer's state counts only where it was measured.
+# created it. Any other optimizer's state counts only where it was measured. The same set as
+# ``memdoctor.capture.hostoptimizer``'s (a test keeps them equal).
 TWO_MOMENT_OPTIMIZERS = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
 
 
