@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from memdoctor import exitcodes
+from memdoctor.capture.session import ProfileSession
 from memdoctor.cli import main
 from memdoctor.launch.reprofile import reprofile
 from memdoctor.plan.reprofiled import RECORD_NAME, model_state, state_beyond
@@ -106,3 +110,35 @@ def test_profile_does_not_reprofile_a_model_whose_state_exceeds_the_budget(
     assert rp["stopped"].startswith("the model's state alone") and "512.00 KiB budget" in rp["stopped"]
     assert not (tmp_path / "out" / "reprofile").exists()
     assert "reprofile: the model's state alone" in capsys.readouterr().err
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """Stands in for accelerate's ``AcceleratedOptimizer``: an Optimizer holding the real one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> Any:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+
+def test_a_run_that_dies_before_its_first_optimizer_step_still_names_its_optimizer() -> None:
+    """The model is described at the fault with the live optimizers that hold its parameters (not a
+    wrapper of one), so that its AdamW state counts before it was ever created."""
+    records: list[dict[str, Any]] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    wrapper = _Wrapper(opt)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # another model's: not this one's
+    session = ProfileSession(steps=1, warmup=0, sink=records.append)
+    session.start()
+    try:
+        model(torch.randn(2, 4)).sum().backward()  # dies before opt.step(): the fault path asks where
+        session.where()
+    finally:
+        session.stop()
+    (rec,) = [r for r in records if r.get("type") == "model"]
+    assert [o["class"] for o in rec["optimizers"]] == ["AdamW"]
+    assert rec["optimizers"][0]["param_count"] == 4 * 4 + 4 + 4 + 1
+    del wrapper, other
