@@ -63,6 +63,7 @@ FAST_FILES = frozenset(
         "test_plan_accuracy_recorded.py",
         "test_plan_full_offload.py",
         "test_plan_levers.py",
+        "test_plan_offload_device.py",
         "test_plan_rules.py",
         "test_precision_capture.py",
         "test_precision_plan.py",

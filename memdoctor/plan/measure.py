@@ -103,6 +103,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         offload_bytes_per_s=_offload_rate(summary),
         host_optimizer_bytes_per_s=_host(summary, "bytes_per_s"),
         host_threads=_host(summary, "threads"),
+        device_kind=(summary.get("device") or {}).get("kind"),
         bf16_native=(summary.get("device") or {}).get("bf16_native"),
         precision_verdict=(summary.get("precision") or {}).get("verdict"),
         notes=notes,

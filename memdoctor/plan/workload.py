@@ -92,6 +92,8 @@ class Workload:
     # CPU threads it ran on (the ``device`` record's ``host_optimizer``); None: not measured.
     host_optimizer_bytes_per_s: float | None = None
     host_threads: int | None = None
+    # The profiled device's kind (``cuda``, ``cpu``); None: not recorded (a re-profile record from before).
+    device_kind: str | None = None
     # The model whose modules ``candidates`` and ``param_holders`` name (``measure.planned_model``).
     model: int = 0
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
