@@ -50,7 +50,8 @@ class DeviceFactsCollector(Collector):
     def on_model(self, model: int, root: Any) -> None:
         """Measure the host's optimizer rate once, where full offload is plausible (module docstring):
         at the models' discovery (the first optimizer step, or the fault of a run that died before it),
-        when what the models hold on the device is known."""
+        when what the models hold on the device is known. Its fraction of a second counts in that step's
+        optimizer phase (a warm-up step by default); the device's memory figures do not see it."""
         facts, session = self.facts, self.session
         if facts is None or session is None or facts.get("host_optimizer") is not None or not self.measure:
             return
