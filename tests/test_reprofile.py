@@ -133,11 +133,12 @@ def test_a_run_that_died_after_every_module_ran_is_reprofiled_too(
 def test_a_reprofile_after_every_module_ran_halves_until_a_step_completes(
     gpt2_b8: tuple[Trace, dict[str, Any]], tmp_path: Path
 ) -> None:
-    """A round that measured every module but ran out of memory again is not planned from (its peak
-    is unmeasured too), nor does "got no further" stop the halving: no module was missing to begin with."""
+    """A round that measured every module but ran out of memory again (further on, in its backward) is
+    not planned from (its peak is unmeasured too), nor does "got no further" stop the halving: no module
+    was missing to begin with."""
     trace = _died_after_every_module("forward", 0)
     summary = build_summary(trace)
-    again = _died_after_every_module("forward", 0)
+    again = _died_after_every_module("backward", None)
     runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, again), (exitcodes.OK, gpt2_b8[0])])
     lines: list[str] = []
     record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
@@ -146,6 +147,29 @@ def test_a_reprofile_after_every_module_ran_halves_until_a_step_completes(
     assert "never finished" in lines[0]
     trace.collected[RECORD_NAME] = record
     assert "after every module had run" in build_summary(trace)["plan"]["advice"][0]
+
+
+def test_a_round_that_dies_where_the_run_before_it_did_at_the_same_peak_stops_the_halving(
+    tmp_path: Path,
+) -> None:
+    """What runs out of memory did not shrink with the batch: no second round at 1/4, and the record says
+    why; a round that died in the same place at a clearly lower peak goes on (the next one, at that peak
+    again, stops)."""
+    trace = _died_after_every_module("optimizer", None)
+    summary = build_summary(trace)
+    same = _died_after_every_module("optimizer", None)
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, same)] * 3)
+    lines: list[str] = []
+    record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
+    assert len(runner.requests) == 1 and record["workload"] is None
+    assert "died again in its optimizer step at the same peak" in record["stopped"]
+    assert "does not shrink with the batch" in lines[-1]
+    lower = _died_after_every_module("optimizer", None)
+    for s in lower.steps:
+        s.memory["peak_bytes"] = int(s.memory["peak_bytes"] * 0.8)
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, lower)] * 3)
+    record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
+    assert len(runner.requests) == 2 and "at the same peak" in record["stopped"]
 
 
 # ----------------------------------------------------------------------------------------- the loop

@@ -20,6 +20,7 @@ BANDWIDTH_KEYS = (
     "d2h_pinned_bytes_per_s",
     "d2h_pageable_bytes_per_s",
 )
+HOST_OPTIMIZER_KEYS = ("bytes_per_s", "bytes", "repeats", "threads")
 PCIE_KEYS = ("gen", "width", "gen_max", "width_max", "link_bytes_per_s", "link_bytes_per_s_current")
 
 
@@ -46,6 +47,7 @@ def summarize(trace: Trace, summary: dict[str, Any]) -> None:
             "used_by_others_bytes": _count(rec.get("used_by_others_bytes")),
             "pcie": _numbers(rec.get("pcie"), PCIE_KEYS),
             "bandwidth": _numbers(rec.get("bandwidth"), (*BANDWIDTH_KEYS, "bytes", "repeats")),
+            "host_optimizer": _numbers(rec.get("host_optimizer"), HOST_OPTIMIZER_KEYS),
         }
     )
     if device["bf16_native"] is None and device["capability"] is not None:

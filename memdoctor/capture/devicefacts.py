@@ -6,6 +6,10 @@ driver's CUDA version, other processes' memory, the PCIe link), and a measured h
 pinned and pageable, each way. Every fact it cannot get is ``null`` in the record and named, with the
 reason, in the record's ``not_measured``: a zero would read as a measurement.
 
+When a trained model is discovered on a CUDA device and its state (parameters, gradients, optimizer
+state) exceeds the budget, the record is written again with ``host_optimizer``: the host's measured
+foreach AdamW rate (``memdoctor.capture.hostoptimizer``), which full offload's time depends on.
+
 The bandwidth test copies a 64 MiB buffer (less on a nearly full card) a few times each way, timed with
 CUDA events on the device: about a tenth of a second. It runs before the script allocates anything,
 frees what it allocated and resets the peak statistics, so the script's memory figures do not see it.
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from memdoctor.capture.collectors import Collector
+from memdoctor.capture.hostoptimizer import measure_host_optimizer, state_estimate, worth_measuring
 from memdoctor.device import Device, nvml
 
 BANDWIDTH_BYTES = 64 * 2**20
@@ -34,9 +39,29 @@ class DeviceFactsCollector(Collector):
     def __init__(self, device: Device | None = None, measure_bandwidth: bool = True, **_: Any) -> None:
         self.device = device
         self.measure = measure_bandwidth
+        self.session: Any = None
+        self.facts: dict[str, Any] | None = None
 
     def start(self, session: Any) -> None:
-        session.emit(self.name, gather(self.device or session.device, measure=self.measure))
+        self.session = session
+        self.facts = gather(self.device or session.device, measure=self.measure)
+        session.emit(self.name, self.facts)
+
+    def on_model(self, model: int, root: Any) -> None:
+        """Measure the host's optimizer rate once, where full offload is plausible (module docstring):
+        at the models' discovery (the first optimizer step, or the fault of a run that died before it),
+        when what the models hold on the device is known. Its fraction of a second counts in that step's
+        optimizer phase (a warm-up step by default); the device's memory figures do not see it."""
+        facts, session = self.facts, self.session
+        if facts is None or session is None or facts.get("host_optimizer") is not None or not self.measure:
+            return
+        found = list(session.models)
+        optimizers = [str(o.get("class")) for m in found for o in m.info.optimizers]
+        state = state_estimate([m.modules[0] for m in found], optimizers, device_type="cuda")
+        budget = _budget(self.device or session.device, facts)
+        if worth_measuring(str(facts.get("kind")), state, budget):
+            facts["host_optimizer"] = measure_host_optimizer()
+            session.emit(self.name, facts)
 
 
 def gather(device: Device, *, measure: bool = True) -> dict[str, Any]:
@@ -64,6 +89,12 @@ def gather(device: Device, *, measure: bool = True) -> dict[str, Any]:
     return facts
 
 
+def _budget(device: Device, facts: dict[str, Any]) -> int | None:
+    """The device memory the run may use: the cap (``--budget``), else the card's memory."""
+    cap = device.describe().get("memory_cap_bytes")
+    return int(cap) if cap else facts.get("total_memory_bytes")
+
+
 _TORCH_FACTS = ("device memory", "compute capability", "bf16 support", "host<->device bandwidth")
 _NVML_FACTS = ("NVIDIA driver version", "driver CUDA version", "other processes' memory", "PCIe link")
 _NVML_KEYS = ("driver_version", "cuda_driver_version", "other_processes", "used_by_others_bytes", "pcie")
@@ -85,6 +116,7 @@ def _empty(kind: str) -> dict[str, Any]:
         "bf16_native": None,
         **dict.fromkeys(_NVML_KEYS),
         "bandwidth": None,
+        "host_optimizer": None,
         "not_measured": [],
     }
 

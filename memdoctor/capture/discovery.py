@@ -33,6 +33,23 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def live_optimizers(param_ids: set[int]) -> list[torch.optim.Optimizer]:
+    """The live ``torch.optim`` optimizers (``gc``) that hold any of ``param_ids``; a wrapper whose
+    ``optimizer`` is another of them (accelerate's ``AcceleratedOptimizer``) gives way to it."""
+    # type() rather than isinstance(), as in find_trained_roots.
+    optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
+    found = [o for o in optimizers if _holds(o, param_ids)]
+    ids = {id(o) for o in found}
+    return [o for o in found if id(getattr(o, "optimizer", None)) not in ids]
+
+
+def _holds(opt: torch.optim.Optimizer, param_ids: set[int]) -> bool:
+    try:
+        return any(id(p) in param_ids for p in optimizer_params(opt))
+    except Exception:  # a half-built or exotic optimizer: not ours to describe
+        return False
+
+
 def find_trained_roots(param_ids: set[int]) -> list[nn.Module]:
     """Root modules owning any of ``param_ids``, biggest share first."""
     # type() rather than isinstance(): some objects' __class__ is a deprecation-warning property.
@@ -203,11 +220,15 @@ class TrainedModels:
                 self._add(describe_model(len(self.models), root, self.optimizers))
 
     def add_seen(self) -> None:
-        """Describe the top-level modules seen so far as models (for a fault before any optimizer step)."""
+        """Describe the top-level modules seen so far as models (for a fault before any optimizer step),
+        with the optimizers alive that hold their parameters (none has stepped yet): what their state
+        will hold is then known too (a re-profile at a smaller micro-batch cannot fit an AdamW state
+        beyond the budget, ``memdoctor.plan.reprofiled``)."""
         if self.models:
             return
+        found = self.optimizers or live_optimizers({id(p) for r in self.roots for p in r.parameters()})
         for root in self.roots:
-            self._add(describe_model(len(self.models), root, self.optimizers))
+            self._add(describe_model(len(self.models), root, found))
 
     def _add(self, model: DiscoveredModel) -> None:
         self.models.append(model)

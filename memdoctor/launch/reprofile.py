@@ -17,6 +17,12 @@ writes into its own folder inside the first one (``OUT/reprofile``, ``OUT/reprof
 over the first run's files. The result is the run-wide record ``reprofile`` that ``launch/rounds.py``
 writes into the FIRST trace; its ``workload`` is what the plan (and ``--verify``) then plan from.
 
+No micro-batch round runs where none can help: when the model's state alone (parameters, gradients,
+optimizer state: ``plan.reprofiled.model_state``, known from the model's discovery even in a run that
+died in its first step) exceeds the budget, a smaller micro-batch, which shrinks only activations,
+cannot fit it (a 1.1B fp32 decoder under 8 GiB was re-profiled three times in vain); and the halving
+stops after a round that died where the run before it died, at the same peak.
+
 The profile runner is a parameter, so the loop is testable without a child process.
 """
 
@@ -32,15 +38,26 @@ from memdoctor.launch.reprofile_checkpoint import checkpoint_round
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.outputs import round_folder
 from memdoctor.plan.measure import batch_size
-from memdoctor.plan.reprofiled import RECORD_NAME, as_record, reprofile_workload, unmeasured_modules
+from memdoctor.plan.reprofiled import (
+    RECORD_NAME,
+    as_record,
+    reprofile_workload,
+    state_beyond,
+    unmeasured_modules,
+)
 from memdoctor.plan.splits import Split, reprofile_splits, split_of
 from memdoctor.plan.summarize import summary_target
 from memdoctor.trace import Trace, read_trace
-from memdoctor.units import first_names
+from memdoctor.units import first_names, format_bytes
 
 __all__ = ["RECORD_NAME", "needed", "reprofile", "why"]
 
 SHOWN = 3  # unmeasured modules named on the terminal
+# A round that ran out of memory where the run before it did, at a peak at least this share of that
+# run's, shows that what runs out does not shrink with the batch: halving again cannot help. (A CUDA run
+# that runs out of memory peaks near its cap wherever it dies; where it died tells the rounds apart.)
+SAME_PEAK = 0.95
+Run = tuple[Trace | None, dict[str, Any] | None]  # a run's trace and summary (None: not read)
 
 
 def needed(trace: Trace | None, result: ProfileResult) -> str | None:
@@ -93,19 +110,24 @@ def reprofile(
         "checkpointed": [],
     }
     say(f"reprofile: {why(trace) or 'the run ran out of memory'}")
-    splits = reprofile_splits(trace)
     budget = target.budget_bytes if target else None
+    record["stopped"] = state_beyond(trace, _optimizers(summary), budget)
+    splits = reprofile_splits(trace)
+    if record["stopped"] is not None:
+        say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
+        return record
     if not splits:
         record["why_no_split"] = split_of(trace).why_not or "no micro-batch split applies to this script"
         return _last_resort(1, trace, request, run, say, budget, record, max_rounds)
     before, n, k = len(missing), 0, 2
     finish = not before  # a run that died after every module ran: planned from a round whose step completed
+    last: Run = (trace, summary)
     while n < max_rounds:
         n += 1
         if batch is not None and k > batch:
             record["stopped"] = f"a micro-batch of 1 (of {batch}) still did not measure every module"
             break
-        r, w = _one(n, k, batch, request, run, say, budget, splits[0], finish)
+        r, w, this = _one(n, k, batch, request, run, say, budget, splits[0], finish)
         record["rounds"].append(r)
         if w is not None:
             record.update(used_round=n, accumulation_steps=k, workload=as_record(w))
@@ -129,7 +151,11 @@ def reprofile(
                 "shrink with the batch"
             )
             break
-        before, k = left, k * 2
+        oom = r["exit_code"] == exitcodes.OUT_OF_MEMORY
+        record["stopped"] = _no_use(last, this, k, budget, further=left < before) if oom else None
+        if record["stopped"] is not None:
+            break
+        before, k, last = left, k * 2, this
     else:
         record["stopped"] = f"no re-profile measured every module in {max_rounds} rounds (--reprofile)"
     say(f"reprofile: {record['stopped']}; the plan is made from the first run (a lower bound)")
@@ -167,6 +193,38 @@ def _last_resort(
     return record
 
 
+def _optimizers(summary: dict[str, Any] | None) -> list[str]:
+    return list(((summary or {}).get("steps_found") or {}).get("optimizers") or [])
+
+
+def _no_use(last: Run, this: Run, k: int, budget: int | None, *, further: bool) -> str | None:
+    """Why halving the micro-batch again cannot help, after a round at 1/``k`` that ran out of memory
+    again: the model's state measured in it alone exceeds the budget (it may know the optimizer the
+    first run died before), or it got no ``further`` in its forward and died where the run before it
+    died, at the same peak: the memory that runs out did not shrink with the batch, and will not at
+    1/2``k`` either."""
+    trace, summary = this
+    if trace is None:
+        return None
+    beyond = state_beyond(trace, _optimizers(summary), budget)
+    if beyond is not None:
+        return f"at micro-batch 1/{k}, {beyond}"
+    where, peak, peak_before = died_in(trace), _peak(summary), _peak(last[1])
+    if further or where is None or last[0] is None or where != died_in(last[0]):
+        return None
+    if not peak or not peak_before or peak < SAME_PEAK * peak_before:
+        return None
+    return (
+        f"at micro-batch 1/{k} the run died again in {where} at the same peak ({format_bytes(peak)}, "
+        f"{format_bytes(peak_before)} before): what runs out of memory does not shrink with the batch"
+    )
+
+
+def _peak(summary: dict[str, Any] | None) -> int | None:
+    peak = (summary or {}).get("peak_memory_bytes")
+    return int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None
+
+
 def _one(
     n: int,
     k: int,
@@ -177,10 +235,10 @@ def _one(
     oom_budget: int | None,
     split: Split,
     finish: bool,
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], Any, Run]:
     """Round ``n`` at micro-batch 1/``k``, split as ``split`` says (``memdoctor.plan.splits``): its
-    record, and its full-batch workload when it measured every module, and with ``finish`` its step
-    completed too (else None)."""
+    record, its full-batch workload when it measured every module, and with ``finish`` its step
+    completed too (else None), and its trace and summary."""
     micro = batch // k if batch and batch % k == 0 else None
     size = f"{micro} of {batch}" if micro else f"1/{k} of the batch"
     say(f"reprofile {n}: profiling at micro-batch {size} (gradient accumulation {k}, split {split.kind}) ...")
@@ -219,4 +277,4 @@ def _one(
         else f"{result.status}; still unmeasured: {r['unmeasured_modules']}"
     )
     say(f"reprofile {n}: {verdict}")
-    return r, w
+    return r, w, (trace, result.summary)

@@ -103,8 +103,9 @@ def hand_tuning_baseline(trace: Trace, w: Workload, target: Target) -> Predictio
 
 def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> list[Config]:
     """The cumulative configs of the hand-tuning order (checkpoints are chosen per stage by the caller)."""
-    holders = tuple(h.name for h in w.param_holders)
-    placement = "offload" if w.has_optimizer else "as-is"
+    offloads = target.offloads(w)  # not on a CPU run: host memory is the device's
+    holders = tuple(h.name for h in w.param_holders) if offloads else ()
+    placement = "offload" if w.has_optimizer and offloads else "as-is"
     config = Config() if checkpointing else Config(optimizer=placement, offload_parameters=holders)
     stages = [config]
     if w.padding is not None:

@@ -101,6 +101,9 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         complete=complete,
         candidates=cands,
         offload_bytes_per_s=_offload_rate(summary),
+        host_optimizer_bytes_per_s=_host(summary, "bytes_per_s"),
+        host_threads=_host(summary, "threads"),
+        device_kind=(summary.get("device") or {}).get("kind"),
         bf16_native=(summary.get("device") or {}).get("bf16_native"),
         precision_verdict=(summary.get("precision") or {}).get("verdict"),
         notes=notes,
@@ -373,6 +376,12 @@ def batch_size(summary: dict[str, Any]) -> int | None:
     shapes = [v for v in (largest.get("shapes") or {}).values() if v]
     firsts = {v[0] for v in shapes}
     return firsts.pop() if len(firsts) == 1 and min(firsts) > 0 else None
+
+
+def _host(summary: dict[str, Any], key: str) -> Any:
+    """A field of the measured host optimizer rate (``device.host_optimizer``); None when not measured."""
+    found = ((summary.get("device") or {}).get("host_optimizer") or {}).get(key)
+    return found if isinstance(found, (int, float)) and not isinstance(found, bool) and found > 0 else None
 
 
 def _offload_rate(summary: dict[str, Any]) -> float | None:

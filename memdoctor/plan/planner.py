@@ -250,7 +250,12 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
         f"{format_bytes(target.limit_bytes)} the budget allows after the {target.margin:.0%} margin"
     ]
     state = w.parameters + w.gradients + w.optimizer_state
-    if state >= target.limit_bytes:
+    if state >= target.limit_bytes and not target.offloads(w):
+        out.append(
+            f"parameters, gradients and optimizer state alone take {format_bytes(state)}: more memory is "
+            "needed (on a CPU run, offloading to host memory frees none: it is the same memory)"
+        )
+    elif state >= target.limit_bytes:
         out.append(
             f"parameters, gradients and optimizer state alone take {format_bytes(state)}: a bigger card, "
             "or full offload (full_offload: FSDP2 with CPU offload) with smaller activations, is needed"

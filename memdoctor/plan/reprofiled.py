@@ -24,13 +24,13 @@ import re
 from typing import Any
 
 from memdoctor.analysis.layers import layer_table
-from memdoctor.analysis.steps import peak_step
+from memdoctor.analysis.steps import category_columns, peak_step
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.padding import Padding
 from memdoctor.plan.splits import AS_BEFORE, split_from_record
 from memdoctor.plan.workload import Candidate, ParamHolder, Workload
 from memdoctor.trace import Trace
-from memdoctor.units import first_names
+from memdoctor.units import first_names, format_bytes
 
 RECORD_NAME = "reprofile"
 # Module types that hold weights even where the ledger counts none of their own (an LM head tied to the
@@ -38,6 +38,11 @@ RECORD_NAME = "reprofile"
 WEIGHTED = re.compile(r"Linear|Embedding|Conv|Norm", re.I)
 # Re-profiles tried at most (micro-batches 1/2, 1/4, 1/8 of the batch) unless ``--reprofile`` says.
 DEFAULT_ROUNDS = 3
+# Optimizers holding two moments per parameter, each of the parameter's size (torch's Adam family): their
+# state counts in what a smaller micro-batch cannot shrink even in a run that died before their first step
+# created it. Any other optimizer's state counts only where it was measured. The same set as
+# ``memdoctor.capture.hostoptimizer``'s (a test keeps them equal).
+TWO_MOMENT_OPTIMIZERS = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
 
 
 def unmeasured_modules(trace: Trace) -> list[str]:
@@ -52,6 +57,42 @@ def unmeasured_modules(trace: Trace) -> list[str]:
         for r in layer_table(trace, step)
         if r["depth"] >= 1 and not r["calls"] and (r["param_bytes"] or WEIGHTED.search(r["type"] or ""))
     ]
+
+
+def model_state(trace: Trace, optimizers: tuple[str, ...] | list[str]) -> tuple[int, str]:
+    """What no smaller micro-batch shrinks, at least, and its parts in words: the parameters on the
+    device, every gradient, the optimizer state. Known from the model's discovery on, so even in a run that
+    died in its first step: the largest figure the ledger measured (a run that died in its backward holds
+    some gradients), else a lower bound from the model record: one gradient byte per trainable parameter
+    byte (a backward that finishes holds them all) and, for an optimizer of Adam's family
+    (``optimizers``: the classes that stepped, ``steps_found``), two moments per gradient byte."""
+    steps = trace.steps
+    high = {c: max((int(v or 0) for s in steps for v in category_columns(s)[c]), default=0) for c in _STATE}
+    recorded = sum(sum(m.param_bytes) for m in trace.models)
+    params = high["parameters"] or recorded
+    trainable = sum(sum(m.trainable_param_bytes) for m in trace.models)
+    share = trainable / recorded if recorded else 1.0
+    grads = max(high["gradients"], int(params * share))
+    adam = bool(optimizers) and set(optimizers) <= TWO_MOMENT_OPTIMIZERS
+    opt = max(high["optimizer_state"], 2 * grads if adam else 0)
+    parts = f"{format_bytes(params)} of parameters + {format_bytes(grads)} of gradients"
+    if opt:
+        parts += f" + {format_bytes(opt)} of optimizer state"
+    return params + grads + opt, parts
+
+
+_STATE = ("parameters", "gradients", "optimizer_state")
+
+
+def state_beyond(trace: Trace, optimizers: tuple[str, ...] | list[str], budget: int | None) -> str | None:
+    """Why no smaller micro-batch can fit ``budget`` (``model_state`` alone exceeds it), else None."""
+    total, parts = model_state(trace, optimizers)
+    if budget is None or total <= budget:
+        return None
+    return (
+        f"the model's state alone ({parts} = {format_bytes(total)}) exceeds the {format_bytes(budget)} "
+        "budget, which a smaller micro-batch does not shrink (only activations): no re-profile can fit"
+    )
 
 
 def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -> Workload:

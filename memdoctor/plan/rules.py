@@ -262,7 +262,7 @@ def parameter_offload(x: RuleInput) -> list[Finding]:
     (accelerate ``device_map``/``cpu_offload``, DeepSpeed ZeRO-3 ``offload_param``): their gradients
     leave the GPU, at a PCIe cost every step. Fires when those modules hold at least 5% of the budget."""
     w, t = x.workload, x.target
-    if w is None or t is None or not w.param_holders:
+    if w is None or t is None or not w.param_holders or not t.offloads(w):
         return []
     held = sum(h.param_bytes + h.grad_bytes for h in w.param_holders)
     if held < PARAM_OFFLOAD_SHARE * t.budget_bytes:

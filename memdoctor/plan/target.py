@@ -37,6 +37,12 @@ class Target:
     def bf16(self, w: Workload) -> bool | None:
         return self.card.bf16 if self.card else w.bf16_native
 
+    def offloads(self, w: Workload) -> bool:
+        """Whether moving state to host memory frees any of the budget (the offload levers: parameters,
+        optimizer state, full offload): on a CUDA device, the card named (``--gpu``) or the profiled one;
+        not for a CPU run planned for itself, whose host and device memory are the same memory."""
+        return self.card is not None or w.device_kind in (None, "cuda")
+
     def link(self, w: Workload) -> float | None:
         return self.card.pcie_bytes_per_s if self.card else w.offload_bytes_per_s
 

@@ -16,20 +16,21 @@ from memdoctor.plan.workload import Workload
 ACCUMULATIONS = (1, 2, 4, 8)
 
 
-def _free_levers(w: Workload) -> list[dict[str, Any]]:
+def _free_levers(w: Workload, target: Target) -> list[dict[str, Any]]:
     """Combinations of the levers that keep the numerics and the data and cost no time (or save some):
     trimming padding to the longest sequence (only where that lowers the peak — the longest batch seen
     is shorter than the padded length — and the mean batch gets ``TRIM_MIN_SAVING`` shorter: batches
     that change shape cost time; a smaller saving is the ``dynamic_padding`` finding's),
     memory-efficient attention, expandable segments, and parameter offload of the largest, least
-    compute-heavy holders; each only where the trace measured what it acts on."""
+    compute-heavy holders (on a device whose memory is not the host's: ``Target.offloads``); each only
+    where the trace measured what it acts on."""
     trims = (
         w.padding is not None and w.padding.ratio("trim", PAD_MULTIPLE) < 1.0 and w.padding.worth_trimming()
     )
     paddings: list[tuple[str, int | None]] = [("as-is", None)] + ([("trim", PAD_MULTIPLE)] if trims else [])
     attention: list[str | None] = [None] + (["sdpa"] if w.attention_temporaries > 0 else [])
     allocator: list[str | None] = [None] + ([EXPANDABLE_SEGMENTS] if w.reserved_ratio > 1.0 else [])
-    names = [h.name for h in w.param_holders]
+    names = [h.name for h in w.param_holders] if target.offloads(w) else []
     offload = [tuple(names[:k]) for k in range(len(names) + 1)]
     return [
         {"padding": p, "pad_to_multiple_of": m, "attention": a, "allocator": al, "offload_parameters": o}
@@ -50,8 +51,8 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
         for p in precisions
-        for o in optimizer_placements(w, ("as-is", "offload"))
-        for extra in _free_levers(w)
+        for o in optimizer_placements(w, ("as-is", "offload"), target)
+        for extra in _free_levers(w, target)
     ] + full_offload_configs(w, target, precisions)
 
 
@@ -62,8 +63,8 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
     fp16 = w.precision_verdict == "fp16_safe" and not target.bf16(w) and w.script_autocast is None
     if fp16 and w.has_optimizer:  # its GradScaler is driven from the optimizer's step
         precisions.append("fp16")
-    placements = optimizer_placements(w, ("as-is", "8bit", "offload"))
-    combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w))
+    placements = optimizer_placements(w, ("as-is", "8bit", "offload"), target)
+    combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w, target))
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
@@ -75,15 +76,16 @@ def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> 
     """Parameters, gradients and optimizer state all on the host (FSDP2 with CPU offload), with every
     micro-batch split, the given precisions and the free levers (parameter offload aside: it is part of
     it): only where the model's state alone (parameters + gradients + optimizer state) exceeds the
-    budget, the case it exists for, and where the trace's module table says what the units hold."""
+    budget, the case it exists for, where the trace's module table says what the units hold, and on a
+    device whose memory is not the host's (``Target.offloads``)."""
     state = w.parameters + w.gradients + w.optimizer_state
-    if not w.shard_units or state <= target.limit_bytes:
+    if not w.shard_units or state <= target.limit_bytes or not target.offloads(w):
         return []
     return [
         Config(accumulation_steps=a, precision=p, full_offload=True, **extra)
         for a in accumulations(w)
         for p in precisions
-        for extra in _free_levers(w)
+        for extra in _free_levers(w, target)
         if not extra["offload_parameters"]
     ]
 
@@ -94,14 +96,14 @@ def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> 
 CLOSURE_OPTIMIZERS = frozenset({"LBFGS"})
 
 
-def optimizer_placements(w: Workload, choices: tuple[str, ...]) -> tuple[str, ...]:
+def optimizer_placements(w: Workload, choices: tuple[str, ...], target: Target) -> tuple[str, ...]:
     """``choices`` of the ``optimizer`` lever; only "as-is" for a script without an optimizer (its
     parameters updated by hand: there is no state to offload or quantise, and ``memdoctor run`` would
     find no optimizer to apply it to) and for one that steps with a closure (LBFGS): a lever ``memdoctor
-    run`` would refuse is never proposed."""
+    run`` would refuse is never proposed. No "offload" where host memory is the device's (a CPU run)."""
     if not w.has_optimizer or CLOSURE_OPTIMIZERS & set(w.optimizer_classes):
         return ("as-is",)
-    return choices
+    return tuple(c for c in choices if c != "offload" or target.offloads(w))
 
 
 def accumulations(w: Workload) -> list[int]:

@@ -23,10 +23,11 @@ AMP_TIME_FACTOR = {"high": 0.6, "medium": 0.8, "low": 0.95, None: 0.8}
 AMP_TENSOR_EFFICIENCY = 0.5
 AMP_OTHER_TIME_FACTOR = 0.9
 # Time: the host's optimizer step under full offload, in bytes of parameters + gradients + optimizer
-# state stepped per second by torch's foreach AdamW on the CPU. Measured 1.3e9 on 2 shared cores of the
-# development machine (a 20M-parameter AdamW step: 239 ms); a GPU host's 16 cores are assumed ~6x that.
-# An assumption, labelled in every prediction; benchmarks/full_offload_llama.py measures it.
-CPU_OPTIMIZER_BYTES_PER_S = 8e9
+# state stepped per second by torch's foreach AdamW on the CPU, where the profile did not measure the
+# host (``device.host_optimizer``: measured only where full offload is plausible). Measured on the H200
+# host's 16 cores at 9.98e9 and 11.4e9 B/s (17.6 GB of state; BENCHMARKS.md, "Full offload"): their
+# mean. 2 shared cores of the development machine stepped 1.3e9 (a 20M-parameter AdamW step).
+CPU_OPTIMIZER_BYTES_PER_S = 10.7e9
 # Time: a script with TF32 on (measured by the precision collector) runs its fp32 matmuls on the tensor
 # cores, at this share of the card's 16-bit dense peak (the TF32 rate is half the bf16/fp16 one on the
 # A100, H100/H200 and the Ampere/Ada GeForce datasheets): autocast then gains far less than over fp32.
@@ -115,7 +116,7 @@ def _full_offload_ms(
 ) -> None:
     """Full offload's two costs: the host link (per micro-batch, each shard unit's parameters come in
     for forward and again for backward, the root's once, and every gradient goes out) and the optimizer
-    step on the host (``CPU_OPTIMIZER_BYTES_PER_S``)."""
+    step on the host (at the rate the profile measured on this host, else ``CPU_OPTIMIZER_BYTES_PER_S``)."""
     units = sum(w.shard_units)
     root = max(0, w.parameters - units)
     moved = (2 * units + root + w.gradients) * config.accumulation_steps
@@ -126,10 +127,16 @@ def _full_offload_ms(
         "bound: FSDP2 prefetches the next unit while one runs)"
     )
     stepped = w.parameters + w.gradients + w.optimizer_state
-    out["cpu_optimizer"] = 1e3 * stepped / CPU_OPTIMIZER_BYTES_PER_S
+    rate = w.host_optimizer_bytes_per_s or CPU_OPTIMIZER_BYTES_PER_S
+    out["cpu_optimizer"] = 1e3 * stepped / rate
+    how = (
+        f"measured: a foreach AdamW step on this host's {w.host_threads or '?'} CPU threads"
+        if w.host_optimizer_bytes_per_s
+        else "assumption: the H200 host's measured rate (16 cores; the profile did not measure this host)"
+    )
     basis["cpu_optimizer"] = (
-        f"assumption: the optimizer steps {stepped / 1e9:.2f} GB of parameters, gradients and state on "
-        f"the host at {CPU_OPTIMIZER_BYTES_PER_S / 1e9:.0f} GB/s (the device's own step is not subtracted)"
+        f"{how}; the optimizer steps {stepped / 1e9:.2f} GB of parameters, gradients and state on the host "
+        f"at {rate / 1e9:.1f} GB/s (the device's own step is not subtracted)"
     )
     assumptions.append(basis["cpu_optimizer"])
 

@@ -88,6 +88,12 @@ class Workload:
     has_optimizer: bool = True
     # The optimizer classes that stepped (``summary.json``'s ``steps_found.optimizers``); empty: unknown.
     optimizer_classes: tuple[str, ...] = ()
+    # The host's measured foreach AdamW rate (bytes of parameters + gradients + state a second) and the
+    # CPU threads it ran on (the ``device`` record's ``host_optimizer``); None: not measured.
+    host_optimizer_bytes_per_s: float | None = None
+    host_threads: int | None = None
+    # The profiled device's kind (``cuda``, ``cpu``); None: not recorded (a re-profile record from before).
+    device_kind: str | None = None
     # The model whose modules ``candidates`` and ``param_holders`` name (``measure.planned_model``).
     model: int = 0
     # Every predicted reserved peak is multiplied by this (``corrected_workload``: what a verified run
