@@ -25,6 +25,7 @@ from memdoctor.errors import TraceError
 from memdoctor.launch.childrun import INTERRUPT_KILL_S, ChildOutcome, run_child
 from memdoctor.launch.profile_child import ENV_VAR
 from memdoctor.launch.saving import failure_line, save_outputs
+from memdoctor.outputs import display_path
 from memdoctor.trace import (
     PARTIAL_SUFFIX,
     TRACE_FILENAME,
@@ -92,6 +93,9 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
     )
     saved = save_outputs(trace, req.out_dir, partial)
     failure = failure_line(saved, sum(1 for s in trace.steps if s.complete))
+    if status == "output_failed":  # one line: what happened, what was kept, where
+        kept = f"; kept in {display_path(saved.kept)}" if saved.kept is not None and not failure else ""
+        failure = f"{message}{kept}" + (f"; {failure}" if failure else "")
     paths = saved.paths
     summary = _read_json(paths.get("summary"))
     return ProfileResult(
@@ -196,7 +200,7 @@ def classify(trace: Trace, outcome: ChildOutcome) -> tuple[str, int, str]:
         )
     if outcome.stop_signal is not None and kind != "stopped":
         name = signal.Signals(outcome.stop_signal).name
-        message = f"stopped: memdoctor received {name} after {steps} complete steps; the script was stopped"
+        message = f"memdoctor received {name} after {steps} complete steps; the script was stopped"
         if outcome.escalated == "SIGKILL":
             message += " (it did not stop in time and was killed)"
         return "stopped", exitcodes.SIGNAL_BASE + outcome.stop_signal, message
