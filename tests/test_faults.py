@@ -555,9 +555,10 @@ def test_ctrl_c_always_ends_the_run_promptly(
 ) -> None:
     """A Ctrl-C the child never sees (``kill -INT`` of memdoctor alone) is forwarded to it; a child
     that still runs on is killed; either way the run ends as interrupted, with its finished steps."""
-    from memdoctor.launch import supervisor
+    from memdoctor.launch import childrun, supervisor
 
-    monkeypatch.setattr(supervisor, "INTERRUPT_FORWARD_S", 0.5)
+    monkeypatch.setattr(childrun, "INTERRUPT_FORWARD_S", 0.5)
+    monkeypatch.setattr(childrun, "INTERRUPT_KILL_S", 2.0)
     monkeypatch.setattr(supervisor, "INTERRUPT_KILL_S", 2.0)
     ready = tmp_path / "ready"
 
