@@ -139,8 +139,9 @@ for step in range(6):
 
 
 def _start(tmp_path: Path, script: Path, *options: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "memdoctor", "profile", "--warmup", "1", "--steps", "4", *options]
     return subprocess.Popen(
-        [sys.executable, "-m", "memdoctor", "profile", "--warmup", "1", "--steps", "4", *options, str(script)],
+        [*cmd, str(script)],
         cwd=tmp_path / "cwd",
         env={**os.environ, **CHILD_ENV},
         stdout=subprocess.PIPE,

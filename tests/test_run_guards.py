@@ -167,7 +167,8 @@ def test_a_full_disk_at_the_report_names_what_was_written(
     assert set(saved.paths) == {"trace", "summary"} and not partial.exists()
     assert [p.name for p, _ in saved.failed] == ["report.html"]
     line = saving.failure_line(saved, 2) or ""
-    assert line.startswith("could not write report.html (") and "written: trace.jsonl.gz, summary.json" in line
+    assert line.startswith("could not write report.html (")
+    assert "written: trace.jsonl.gz, summary.json" in line
 
 
 # ----------------------------------------------------------------------------------------- verdicts
