@@ -174,7 +174,7 @@ def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
     written = getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
     if not _told(result, written):  # the terminal is gone (a SIGHUP): the files say it all
         return int(result.exit_code)
-    if result.status in _STOPPED or getattr(result, "output_error", None):
+    if _no_more_rounds(result):
         return int(result.exit_code)  # asked to stop, or the disk is full: no further rounds
     if getattr(ns, "reprofile", 0):
         result, more = reprofile_profile(request, result, ns.reprofile, supervisor.run_profile, say)
@@ -189,6 +189,12 @@ def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
 _STOPPED = ("interrupted", "stopped")
 
 
+def _no_more_rounds(result: Any) -> bool:
+    """Asked to stop (a signal: 128 + N), or an output could not be written: no re-profile or verify."""
+    stopped = result.status in _STOPPED or int(result.exit_code) > exitcodes.SIGNAL_BASE
+    return stopped or bool(getattr(result, "output_error", None))
+
+
 def _told(result: Any, written: list[Any]) -> bool:
     """Print the run's table, the line about unwritten files and, for a run that goes no further, the
     files written; False when the terminal cannot be written to (closed: the run was hung up on)."""
@@ -197,7 +203,7 @@ def _told(result: Any, written: list[Any]) -> bool:
             _print_summary(result)
         if getattr(result, "output_error", None):
             say(f"error: {result.output_error}")
-        if result.status in _STOPPED or getattr(result, "output_error", None):
+        if _no_more_rounds(result):
             print_written(written)
         sys.stdout.flush()
     except OSError:

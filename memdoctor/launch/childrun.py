@@ -100,6 +100,21 @@ def _stop_signals(proc: subprocess.Popen[bytes], outcome: ChildOutcome) -> Itera
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def deferred_stops() -> Iterator[list[int]]:
+    """While the outputs are written: a SIGTERM or SIGHUP is noted (the list it yields) rather than
+    killing memdoctor between the trace and the report; they take a second or two. Ctrl-C still
+    interrupts (a user who will not wait keeps the trace, saved first)."""
+    received: list[int] = []
+    deferred = [s for s in STOP_SIGNALS if s != signal.SIGINT]
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in deferred}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _wait(proc: subprocess.Popen[bytes], sock: Any, timeout_s: float | None, outcome: ChildOutcome) -> int:
     """The child's exit status; it is stopped when ``timeout_s`` expires, memdoctor is signalled, or it
     outlives a Ctrl-C."""

@@ -22,7 +22,7 @@ from typing import Any
 from memdoctor import exitcodes
 from memdoctor.capture.collectors import parse_names
 from memdoctor.errors import TraceError
-from memdoctor.launch.childrun import INTERRUPT_KILL_S, ChildOutcome, run_child
+from memdoctor.launch.childrun import INTERRUPT_KILL_S, ChildOutcome, deferred_stops, run_child
 from memdoctor.launch.profile_child import ENV_VAR
 from memdoctor.launch.saving import failure_line, save_outputs
 from memdoctor.outputs import display_path
@@ -91,7 +91,10 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
         signal=_signal_name(outcome.returncode),
         memdoctor_exit_code=code,
     )
-    saved = save_outputs(trace, req.out_dir, partial)
+    with deferred_stops() as received:
+        saved = save_outputs(trace, req.out_dir, partial)
+    if received and code == exitcodes.OK:  # stopped once the run was over: the conventional code still
+        code = exitcodes.SIGNAL_BASE + received[0]
     failure = failure_line(saved, sum(1 for s in trace.steps if s.complete))
     if status == "output_failed":  # one line: what happened, what was kept, where
         kept = f"; kept in {display_path(saved.kept)}" if saved.kept is not None and not failure else ""
