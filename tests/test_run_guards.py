@@ -203,3 +203,29 @@ def test_an_interrupt_after_some_steps_is_never_before_the_first_step() -> None:
     assert timeout.startswith("The run was stopped by --timeout")
     stopped = {"kind": "stopped", "step": None, "message": "stopped: memdoctor received SIGHUP"}
     assert fault_sentence(summary, stopped).startswith("The run was stopped by SIGHUP sent to memdoctor")
+
+
+@pytest.mark.slow  # renders a report
+def test_memdoctor_report_on_a_full_disk_names_what_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from memdoctor.cli import main
+    from memdoctor.report import render
+    from memdoctor.trace import save_trace
+
+    trace_path = save_trace(_small_trace(), tmp_path / "trace.jsonl.gz")
+    real = render.atomic_write
+
+    def full_for_the_report(path: Path, text: str) -> None:
+        if path.name == "report.html":
+            raise OutputError(f"cannot write {path}: No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(render, "atomic_write", full_for_the_report)
+    code = main(["report", str(trace_path), "-o", str(tmp_path / "out")])
+    err = capfd.readouterr().err
+    assert code == exitcodes.USAGE_ERROR
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "could not write report.html (No space left on device)" in lines[0]
+    assert "written: summary.json" in lines[0] and "kept: 3 complete steps in" in lines[0]

@@ -31,8 +31,6 @@ class Saved:
 
 def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
     """Save the trace, then the report and summary (see the module docstring)."""
-    from memdoctor.report import write_report
-
     saved = Saved()
     trace_path = out_dir / TRACE_FILENAME
     try:
@@ -43,6 +41,15 @@ def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
         return _report_not_tried(saved, out_dir, "the trace was not saved")
     saved.paths["trace"] = saved.kept = trace_path
     partial.unlink(missing_ok=True)
+    write_report_files(saved, trace, out_dir)
+    return saved
+
+
+def write_report_files(saved: Saved, trace: Trace, out_dir: Path) -> Saved:
+    """``write_report`` into ``out_dir``, adding to ``saved`` the files written and those that were not
+    (summary first, then the report: a full disk can leave one written and not the other)."""
+    from memdoctor.report import write_report
+
     targets = {
         "summary": out_dir / SUMMARY_FILENAME,
         "report": out_dir / REPORT_FILENAME,
@@ -54,11 +61,17 @@ def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
     except (OutputError, OSError) as exc:  # write_report words an OSError as an OutputError
         written = {k: p for k, p in targets.items() if _identity(p) not in (None, before[k])}
         saved.paths.update(written)
-        reason = _reason(exc) if isinstance(exc, OSError) else str(exc)
+        reason = _reason(exc) if isinstance(exc, OSError) else _output_reason(exc)
         for key in ("summary", "report"):
             if key not in written:
                 saved.failed.append((targets[key], reason))
     return saved
+
+
+def _output_reason(exc: Exception) -> str:
+    """The reason in an ``OutputError`` of ``write_report`` (``cannot write PATH: REASON``)."""
+    text = str(exc)
+    return text.rsplit(": ", 1)[-1] if ": " in text else text
 
 
 def _report_not_tried(saved: Saved, out_dir: Path, why: str) -> Saved:
