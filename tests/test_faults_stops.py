@@ -317,3 +317,37 @@ def test_a_timeout_names_the_timeout_not_ctrl_c(tmp_path: Path) -> None:
     assert "Ctrl-C" not in run.end()["message"] and "Ctrl-C" not in run.summary["headline"]
     assert run.summary["headline"].startswith("The run was stopped by --timeout")
     assert run.complete_steps() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_memdoctor_run_never_leaves_its_script_running(tmp_path: Path, signum: signal.Signals) -> None:
+    """``memdoctor run`` passes SIGTERM on to the script (exit 143, as the shell reports a script killed
+    by it); killed outright, its script gets SIGTERM from the kernel (Linux)."""
+    script = make_dirs(tmp_path, fault_script(RUNS_ON))
+    config = tmp_path / "memdoctor.yaml"
+    config.write_text("memdoctor_config: 1\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memdoctor", "run", "--config", str(config), str(script)],
+        cwd=tmp_path / "cwd",
+        env={**os.environ, **CHILD_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    child = None
+    try:
+        assert _wait_for(tmp_path / "ready"), "the script never reached step 2"
+        child = int((tmp_path / "ready").read_text())
+        proc.send_signal(signum)  # to memdoctor alone
+        code = proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the script outlived memdoctor run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+    assert code == (exitcodes.TERMINATED if signum == signal.SIGTERM else -signal.SIGKILL)
