@@ -85,14 +85,23 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
 
     # ----------------------------------------------------------------------------------------------
     def __enter__(self) -> profile:
-        from memdoctor.capture.session import ProfileSession
-        from memdoctor.device import default_device
-        from memdoctor.launch.profile_child import start_run
-        from memdoctor.launch.supervisor import redact_argv
         from memdoctor.outputs import profile_output_dir
 
         self._t0 = time.monotonic()
         self._out = profile_output_dir(self.output, force=self.force)  # claimed until _finish
+        try:
+            return self._start()
+        except BaseException:
+            self._out.release()
+            raise
+
+    def _start(self) -> profile:
+        """Everything after the folder claim; a failure here releases the folder (``__enter__``)."""
+        from memdoctor.capture.session import ProfileSession
+        from memdoctor.device import default_device
+        from memdoctor.launch.profile_child import start_run
+        from memdoctor.launch.supervisor import redact_argv
+
         self.out_dir = self._out.path
         self.trace_path = self.out_dir / TRACE_FILENAME
         self._partial = self.trace_path.with_name(TRACE_FILENAME + PARTIAL_SUFFIX)
