@@ -35,7 +35,6 @@ from memdoctor.trace import (
     event_record,
     load_trace,
     make_end,
-    save_trace,
 )
 from memdoctor.units import parse_size
 
@@ -79,19 +78,31 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         self.status: str | None = None
         self._session: Any = None
         self._writer: Any = None
+        self._out: Any = None
+        self.output_error: str | None = None  # the outputs that could not be written, and what was kept
         self._partial: Path | None = None
         self._t0 = 0.0
 
     # ----------------------------------------------------------------------------------------------
     def __enter__(self) -> profile:
+        from memdoctor.outputs import profile_output_dir
+
+        self._t0 = time.monotonic()
+        self._out = profile_output_dir(self.output, force=self.force)  # claimed until _finish
+        try:
+            return self._start()
+        except BaseException:
+            self._out.release()
+            raise
+
+    def _start(self) -> profile:
+        """Everything after the folder claim; a failure here releases the folder (``__enter__``)."""
         from memdoctor.capture.session import ProfileSession
         from memdoctor.device import default_device
         from memdoctor.launch.profile_child import start_run
         from memdoctor.launch.supervisor import redact_argv
-        from memdoctor.outputs import profile_output_dir
 
-        self._t0 = time.monotonic()
-        self.out_dir = profile_output_dir(self.output, force=self.force).path
+        self.out_dir = self._out.path
         self.trace_path = self.out_dir / TRACE_FILENAME
         self._partial = self.trace_path.with_name(TRACE_FILENAME + PARTIAL_SUFFIX)
         device = default_device()
@@ -109,7 +120,7 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
             "collect": self.collect,
         }
         collectors, header = start_run(cfg, device)
-        self._writer = TraceWriter(self._partial)
+        self._writer = TraceWriter(self._partial, on_error=self._write_failed)
         self._writer.write(header)
         self._session = ProfileSession(
             steps=self.steps,
@@ -123,6 +134,17 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         )
         self._session.start()
         return self
+
+    def _write_failed(self, exc: OSError) -> None:
+        """A trace write failed inside the training's own calls: never raise into it. In your own
+        process memdoctor cannot stop the script, so the training runs on unrecorded (the hooks stay
+        until the block ends, writing nothing); the steps flushed before stay in the trace."""
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        print(
+            f"memdoctor: error: cannot write {self._partial} ({reason}); recording stopped, the training "
+            "carries on unprofiled",
+            file=sys.stderr,
+        )
 
     def _reached_steps(self) -> None:
         self._session.stop()
@@ -151,25 +173,32 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         finally:
             session.stop()
             writer.close()
-            self._finish()
+            try:
+                self._finish()
+            finally:
+                self._out.release()
 
     def _finish(self) -> None:
         """Close the trace (end record, atomic save) and write the report and summary."""
-        from memdoctor.report import write_report
+        from memdoctor.launch.saving import failure_line, save_outputs
 
         assert self._partial is not None and self.trace_path is not None and self.out_dir is not None
         trace = load_trace(self._partial, salvage=True)
         steps = sum(1 for s in trace.steps if s.complete)
+        if self._writer.failed is not None:
+            self.status = "output_failed"
         trace.end = make_end(
             status=self.status,
             message=_message(self.status, steps, trace),
             steps_recorded=steps,
             duration_s=time.monotonic() - self._t0,
         )
-        save_trace(trace, self.trace_path)
-        self._partial.unlink(missing_ok=True)
-        paths = write_report(trace, self.out_dir)
-        self.report_path, self.summary_path = paths.get("report"), paths.get("summary")
+        saved = save_outputs(trace, self.out_dir, self._partial)
+        self.output_error = failure_line(saved, steps)
+        if self.output_error:
+            print(f"memdoctor: error: {self.output_error}", file=sys.stderr)
+        self.trace_path = saved.paths.get("trace", saved.kept)
+        self.report_path, self.summary_path = saved.paths.get("report"), saved.paths.get("summary")
         self.summary = json.loads(self.summary_path.read_text()) if self.summary_path else None
 
 
@@ -181,4 +210,6 @@ def _message(status: str | None, steps: int, trace: Any) -> str:
         return f"the profiled block ended after {steps} steps"
     if status == "interrupted":
         return f"interrupted after {steps} steps"
+    if status == "output_failed":
+        return f"the trace could not be written after {steps} steps: recording stopped"
     return f"{(last or {}).get('message', 'the block raised')} (after {steps} steps)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 OK = 0  # the steps were profiled (or the script finished after at least one step)
 INTERNAL_ERROR = 1  # a bug in memdoctor
-USAGE_ERROR = 2  # bad command line, missing script, output folder refused
+USAGE_ERROR = 2  # bad command line, missing script, output folder refused, in use or full
 TRACE_ERROR = 3  # a trace file that cannot be read
 SCRIPT_FAILED = 4  # the script does not compile, raised, called sys.exit(non-zero), crashed or was killed
 NO_STEPS = 5  # the script ended without any optimizer step
@@ -15,12 +15,20 @@ OUT_OF_MEMORY = 6  # the script ran out of memory (the trace keeps what was live
 LIMIT_EXCEEDED = 7  # memdoctor check: the peak (or step time) is over the given limit
 TIMEOUT = 124  # --timeout expired; the script was stopped
 INTERRUPTED = 130  # Ctrl-C
+# memdoctor itself received SIGHUP (the terminal closed) or SIGTERM (timeout, Slurm, docker stop): the
+# run was stopped and its outputs written; 128 + the signal's number, as a shell reports it
+HANGUP = 129
+TERMINATED = 143
 
 # (code, meaning) in the order the README and `memdoctor profile --help` list them.
 TABLE: tuple[tuple[int, str], ...] = (
     (OK, "the steps were profiled (or the script finished after at least one step)"),
     (INTERNAL_ERROR, "internal error in memdoctor (a bug: please report it with the trace)"),
-    (USAGE_ERROR, "usage error: bad arguments, missing script, output folder refused"),
+    (
+        USAGE_ERROR,
+        "usage error: bad arguments, missing script, output folder refused or in use by another run; "
+        "or the disk filled (what was kept is named)",
+    ),
     (TRACE_ERROR, "unreadable trace: missing, corrupt, truncated or from a newer memdoctor"),
     (
         SCRIPT_FAILED,
@@ -31,6 +39,8 @@ TABLE: tuple[tuple[int, str], ...] = (
     (LIMIT_EXCEEDED, "memdoctor check: the peak memory or the step time is over the given limit"),
     (TIMEOUT, "--timeout expired"),
     (INTERRUPTED, "interrupted (Ctrl-C)"),
+    (HANGUP, "memdoctor received SIGHUP (the terminal closed): the run was stopped, its outputs written"),
+    (TERMINATED, "memdoctor received SIGTERM (timeout, Slurm, docker stop): stopped, outputs written"),
 )
 
 

@@ -11,16 +11,32 @@ The policy, in one place:
   folder inside the trace's folder (``--force`` overwrites the two files beside the trace instead).
 - Nothing is ever deleted. With ``--force`` memdoctor only overwrites the files it writes itself
   (``OWN_FILES``); anything else in the folder is left alone.
+- One run, one folder: a profile holds its folder (``FolderClaim``: an exclusive lock on
+  ``LOCK_NAME`` inside it) from the moment it chooses it until its last file is written. A second run
+  is refused with one line naming the holder (``-o DIR``, ``--force`` too), or, without ``-o``, takes
+  the next free ``memdoctor-report-N``. The lock is the operating system's (``flock``), so a holder that
+  died (``kill -9``) holds nothing: its folder is free again, with no stale lock to clear by hand.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memdoctor.errors import OutputError, UsageError
 
+try:
+    import fcntl
+except ImportError:  # Windows: an O_EXCL marker instead (FolderClaim)
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_NAME = ".memdoctor.lock"  # held while a run writes into its folder; removed when it ends
 DEFAULT_DIRNAME = "memdoctor-report"
 RERENDER_DIRNAME = "rerender"
 REPORT_FILES = ("report.html", "summary.json")
@@ -28,25 +44,179 @@ OWN_FILES = ("trace.jsonl.gz", *REPORT_FILES)
 _MAX_SUFFIX = 10_000
 
 
+class FolderHeld(Exception):
+    """The folder is claimed by a live run; ``holder`` says which (pid, host, start, command)."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+class FolderClaim:
+    """This run's hold on its output folder: an exclusive ``flock`` on ``LOCK_NAME``, whose content
+    (pid, host, start time, command) names the run to a second one. Released (and the file removed) by
+    ``release`` or at the end of a ``with`` block; the kernel releases it if the process dies."""
+
+    def __init__(self, folder: Path, command: str = "profile") -> None:
+        self.folder = folder
+        self.lock = folder / LOCK_NAME
+        self._fd: int | None = _lock(self.lock, command)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:  # remove it while still holding it: a waiting run then re-checks the file it locked
+            if _same_file(self.lock, fd):
+                self.lock.unlink()
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __enter__(self) -> FolderClaim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _lock(lock: Path, command: str) -> int:
+    """An exclusive, held lock on ``lock`` with our details written in; FolderHeld if a live run has it."""
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": time.time(), "command": command}
+    while True:
+        if fcntl is None:
+            fd = _exclusive_marker(lock)
+        else:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise FolderHeld(holder) from None
+            if not _same_file(lock, fd):  # the holder removed it as we locked it: lock the new one
+                os.close(fd)
+                continue
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(me).encode())
+        return fd
+
+
+def _exclusive_marker(lock: Path) -> int:
+    """Without ``flock``: create the marker exclusively; one naming a process that no longer runs on
+    this host is stale and is replaced."""
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        fd = os.open(lock, os.O_RDONLY)
+        holder = _read_holder(fd)
+        os.close(fd)
+        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+            lock.unlink(missing_ok=True)
+            return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        raise FolderHeld(holder) from None
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
+
+
+def held_message(folder: Path, holder: dict[str, Any]) -> str:
+    """``DIR: in use by memdoctor profile (pid 123 on host, started 16:40:02 UTC); ...``"""
+    who = f"memdoctor {holder.get('command') or 'run'}"
+    details = []
+    if holder.get("pid"):
+        details.append(f"pid {holder['pid']}" + (f" on {holder['host']}" if holder.get("host") else ""))
+    if isinstance(holder.get("started_unix"), (int, float)):
+        details.append(
+            "started " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder["started_unix"]))
+        )
+    if details:
+        who += f" ({', '.join(details)})"
+    return f"{folder}: in use by {who}; wait for it to end, or choose another output folder with -o"
+
+
 @dataclass(frozen=True)
 class OutputDir:
-    """A created, writable output folder, and a note for the terminal when it is not the one asked for."""
+    """A created, writable output folder, and a note for the terminal when it is not the one asked for.
+    ``claim`` holds the folder for this run: release it (``with out.claim``) once the last file is written."""
 
     path: Path
     note: str | None = None
+    claim: FolderClaim | None = None
+
+    def release(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
 
 
 def profile_output_dir(explicit: Path | None, *, force: bool, cwd: Path | None = None) -> OutputDir:
-    """Resolve and create the folder ``memdoctor profile`` writes into (see the module docstring)."""
+    """Resolve, create and claim the folder ``memdoctor profile`` writes into (see the module docstring)."""
     if explicit is not None:
-        return OutputDir(_explicit(explicit, force))
+        if explicit.is_dir() and _held(explicit):  # "in use", before "not empty": it names the run
+            _claim_or_refuse(explicit, force).release()
+        path = _explicit(explicit, force)
+        return OutputDir(path, claim=_claim_or_refuse(path, force))
     base = (cwd or Path.cwd()) / DEFAULT_DIRNAME
     if force and (not base.exists() or base.is_dir()):
-        return OutputDir(ensure_writable(base))
-    path = _first_free(base, f"{DEFAULT_DIRNAME}-")
+        path = ensure_writable(base)
+        return OutputDir(path, claim=_claim_or_refuse(path, force))
+    path, claim = _first_free(base, f"{DEFAULT_DIRNAME}-")
     if path == base:
-        return OutputDir(path)
-    return OutputDir(path, f"{display_path(base)} already exists; writing to {display_path(path)} instead")
+        return OutputDir(path, claim=claim)
+    why = "is in use by another memdoctor run" if _held(base) else "already exists"
+    note = f"{display_path(base)} {why}; writing to {display_path(path)} instead"
+    return OutputDir(path, note, claim)
+
+
+def _claim_or_refuse(path: Path, force: bool) -> FolderClaim:
+    """Claim an explicit (or forced) folder; a live holder, or a folder that filled meanwhile, is refused."""
+    try:
+        claim = FolderClaim(path)
+    except FolderHeld as held:
+        raise UsageError(held_message(path, held.holder)) from None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write the output folder ({exc.strerror or exc})") from None
+    if not force and not is_empty_dir(path):  # another run wrote here between our check and the claim
+        claim.release()
+        _explicit(path, force)
+    return claim
+
+
+def _held(path: Path) -> bool:
+    """Whether a live run holds ``path`` (a folder that is there)."""
+    if not (path / LOCK_NAME).exists():
+        return False
+    try:
+        FolderClaim(path).release()
+    except FolderHeld:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def report_output_dir(trace_path: Path, explicit: Path | None, *, force: bool) -> OutputDir:
@@ -56,15 +226,18 @@ def report_output_dir(trace_path: Path, explicit: Path | None, *, force: bool) -
     folder = trace_path.resolve().parent
     if force or not any((folder / name).exists() for name in REPORT_FILES):
         return OutputDir(ensure_writable(folder))
-    path = _first_free(folder / f"{RERENDER_DIRNAME}-1", f"{RERENDER_DIRNAME}-", start=1)
+    path, claim = _first_free(folder / f"{RERENDER_DIRNAME}-1", f"{RERENDER_DIRNAME}-", start=1)
+    claim.release()  # a re-render writes two files atomically: nothing to hold the folder for
     return OutputDir(
         path, f"{display_path(folder)} already has a report; writing to {display_path(path)} instead"
     )
 
 
-def is_empty_dir(path: Path) -> bool:
+def is_empty_dir(path: Path, *, ignore_lock: bool = True) -> bool:
+    """A folder with nothing in it (a lock file alone, of a run that holds it or died, counts as empty
+    unless ``ignore_lock`` is False)."""
     try:
-        return path.is_dir() and next(path.iterdir(), None) is None
+        return path.is_dir() and all(ignore_lock and p.name == LOCK_NAME for p in path.iterdir())
     except OSError:
         return False
 
@@ -94,12 +267,23 @@ def _explicit(path: Path, force: bool) -> Path:
     return ensure_writable(path)
 
 
-def _first_free(base: Path, prefix: str, start: int = 0) -> Path:
-    """The first of ``base``, ``<prefix>1``, ``<prefix>2``, ... that we could claim (new or empty)."""
+def _first_free(base: Path, prefix: str, start: int = 0) -> tuple[Path, FolderClaim]:
+    """The first of ``base``, ``<prefix>1``, ``<prefix>2``, ... that we could claim (new or empty, and
+    held by no other run), claimed."""
     for n in range(start, _MAX_SUFFIX):
         candidate = base if n == start else base.with_name(f"{prefix}{n}")
-        if _claim(candidate):
-            return ensure_writable(candidate)
+        if not _claim(candidate):
+            continue
+        ensure_writable(candidate)
+        try:
+            claim = FolderClaim(candidate)
+        except FolderHeld:
+            continue
+        except OSError:
+            continue
+        if is_empty_dir(candidate):  # still empty now that it is ours: no run wrote here meanwhile
+            return candidate, claim
+        claim.release()
     raise OutputError(f"{base.parent}: no free output folder name after {prefix}{_MAX_SUFFIX - 1}; use -o")
 
 

@@ -59,6 +59,7 @@ FAST_FILES = frozenset(
         "test_nvtx.py",
         "test_offload.py",
         "test_optimizers.py",
+        "test_run_guards.py",
         "test_outside_modules.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",

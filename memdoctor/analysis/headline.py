@@ -74,7 +74,7 @@ def fault_sentence(summary: dict[str, Any], fault: dict[str, Any]) -> str:
     complete = sum(1 for row in summary.get("steps") or [] if row.get("complete"))
     if fault.get("step") is not None:
         text += f" at step {fault['step']}"
-    elif fault.get("kind") in ("exception", "oom", "script_exit", "interrupted"):
+    elif fault.get("kind") in ("exception", "oom", "script_exit", "interrupted") and not complete:
         text += " before its first training step"  # the script said where: in no step yet
     else:  # a hard death: no Python frame said where
         text += f" after {complete} complete step{'s' if complete != 1 else ''}"
@@ -99,6 +99,13 @@ def _fault_subject(summary: dict[str, Any], fault: dict[str, Any]) -> str:
     kind, signal = fault.get("kind"), fault.get("signal")
     if kind == "interrupted":
         return "The run was interrupted (Ctrl-C)"
+    if kind == "timeout":
+        return "The run was stopped by --timeout"
+    if kind == "stopped":  # memdoctor was sent SIGTERM or SIGHUP; the message names it
+        name = next((w for w in str(fault.get("message", "")).split() if w.startswith("SIG")), "a signal")
+        return f"The run was stopped by {name.rstrip(',;')} sent to memdoctor"
+    if kind == "output_failed":
+        return "Recording stopped: the trace could not be written"
     if kind == "script_exit":
         return f"The script called sys.exit({fault.get('exit_code')})"
     if kind == "killed" and signal:

@@ -4,6 +4,7 @@ per-layer memory report; then, when asked, re-profile and verify (``memdoctor.la
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,15 @@ def profile_command(ns: argparse.Namespace) -> int:
     check_target(ns, "profile")
     _warn_about_passed_options(ns)
     out = profile_output_dir(ns.output, force=ns.force)
-    if out.note:
-        say(out.note)
+    try:  # the folder is this run's until its last file is written (memdoctor.outputs.FolderClaim)
+        return _profile(ns, out.path, out.note)
+    finally:
+        out.release()
+
+
+def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
+    if note:
+        say(note)
     from memdoctor.launch import progress, supervisor  # the launch layer; imported late (--help stays light)
     from memdoctor.launch.rounds import reprofile_profile, verify_profile
 
@@ -150,7 +158,7 @@ def profile_command(ns: argparse.Namespace) -> int:
         script=None if ns.module is not None else ns.script,
         module=ns.module,
         args=list(ns.script_args),
-        out_dir=out.path,
+        out_dir=out_dir,
         warmup=ns.warmup,
         steps=ns.steps,
         budget_bytes=ns.budget,
@@ -162,10 +170,13 @@ def profile_command(ns: argparse.Namespace) -> int:
         config=None if ns.config is None else _config_mapping(ns.config),
     )
     target = f"-m {ns.module}" if ns.module is not None else ns.script
-    say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out.path)}")
+    say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out_dir)}")
     result = supervisor.run_profile(request)
-    _print_summary(result)
     written = getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
+    if not _told(result, written):  # the terminal is gone (a SIGHUP): the files say it all
+        return int(result.exit_code)
+    if _no_more_rounds(result):
+        return int(result.exit_code)  # asked to stop, or the disk is full: no further rounds
     if getattr(ns, "reprofile", 0):
         result, more = reprofile_profile(request, result, ns.reprofile, supervisor.run_profile, say)
         written = [*written, *more]
@@ -173,6 +184,32 @@ def profile_command(ns: argparse.Namespace) -> int:
         written = [*written, *verify_profile(request, result, ns.verify_rounds, supervisor.run_profile, say)]
     print_written(written)
     return int(result.exit_code)
+
+
+# How a run ends when memdoctor was asked to stop it (Ctrl-C, SIGTERM, SIGHUP): no re-profile or verify.
+_STOPPED = ("interrupted", "stopped")
+
+
+def _no_more_rounds(result: Any) -> bool:
+    """Asked to stop (a signal: 128 + N), or an output could not be written: no re-profile or verify."""
+    stopped = result.status in _STOPPED or int(result.exit_code) > exitcodes.SIGNAL_BASE
+    return stopped or bool(getattr(result, "output_error", None))
+
+
+def _told(result: Any, written: list[Any]) -> bool:
+    """Print the run's table, the line about unwritten files and, for a run that goes no further, the
+    files written; False when the terminal cannot be written to (closed: the run was hung up on)."""
+    try:
+        if getattr(result, "trace_path", None) is not None:
+            _print_summary(result)
+        if getattr(result, "output_error", None):
+            say(f"error: {result.output_error}")
+        if _no_more_rounds(result):
+            print_written(written)
+        sys.stdout.flush()
+    except OSError:
+        return False
+    return True
 
 
 def _print_summary(result: Any) -> None:

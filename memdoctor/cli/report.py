@@ -40,7 +40,7 @@ def configure_report(p: argparse.ArgumentParser) -> None:
 
 
 def report_command(ns: argparse.Namespace) -> int:
-    from memdoctor.report import build_summary, write_report  # the analysis and report layers; imported late
+    from memdoctor.report import build_summary  # the analysis and report layers; imported late
     from memdoctor.trace import load_trace, unfinished_end
 
     path = trace_file(ns.trace)
@@ -50,10 +50,13 @@ def report_command(ns: argparse.Namespace) -> int:
     out = report_output_dir(path, ns.output, force=ns.force)
     if out.note:
         say(out.note)
-    try:
-        written = write_report(trace, out.path)
-    except OSError as exc:
-        raise OutputError(f"{out.path}: cannot write the report ({exc.strerror or exc})") from None
+    from memdoctor.launch.saving import Saved, failure_line, write_report_files
+
+    saved = write_report_files(Saved(kept=path), trace, out.path)
+    if saved.failed:  # one line: what could not be written and why, what was, and that the trace is intact
+        steps = sum(1 for s in trace.steps if s.complete)
+        raise OutputError(f"{out.path}: {failure_line(saved, steps)}")
+    written = saved.paths
     summary = build_summary(trace)
     print_summary(summary, trace, status=summary.get("status"), message=(trace.end or {}).get("message"))
     print_written(list(written.values()))

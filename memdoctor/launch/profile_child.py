@@ -7,10 +7,17 @@ records go straight to the partial trace file (one flushed gzip member each, so 
 every finished step), and stops the script with ``os._exit`` once the requested steps are recorded:
 the script's remaining code (its checkpoint saving, its ``finally`` blocks) does not run, so memdoctor
 never causes writes to the user's files beyond what the profiled steps themselves did.
+
+A trace write that fails (a full disk) stops recording and then the script, the same way: memdoctor's
+own I/O error never raises into the script, the supervisor is told over the control socket
+(``memdoctor.launch.control``), and the records flushed before it stay salvageable. Stopping rather
+than letting the script run on unrecorded, because the run's only purpose under ``memdoctor profile``
+is its measurement, and a GPU left training for nothing is the costlier surprise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -22,21 +29,26 @@ from typing import Any
 
 from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
+from memdoctor.launch.control import ChildControl, child_control
 from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 from memdoctor.patching import wrap_attr
 from memdoctor.trace import TraceWriter, event_record, make_header
 
 ENV_VAR = "MEMDOCTOR_CHILD"
+WRITE_FAILED = 75  # the exit code after a failed trace write (EX_TEMPFAIL); the supervisor is told why
+_control: ChildControl | None = None
 
 
 def main() -> int:
+    global _control
     cfg = json.loads(os.environ.pop(ENV_VAR))
     _ctrl_c_raises()
+    _control = child_control()
     from memdoctor.capture.session import ProfileSession
     from memdoctor.device import default_device
 
-    writer = TraceWriter(cfg["trace_path"])
+    writer = TraceWriter(cfg["trace_path"], on_error=_write_failed)
     header_written: list[bool] = []
     sessions: list[Any] = []  # the session, once made: checkpointed saves are shown to its ledger
     installation = _install_config(cfg, writer, header_written, sessions)  # before CUDA starts
@@ -158,8 +170,9 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         # A second Ctrl-C, or the supervisor's own SIGINT to a child slow to stop, must not interrupt
         # the recording of what was measured; the supervisor kills the child if it is needed.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        reason = _control.stop_reason() if _control is not None else "interrupted (Ctrl-C)"
         where = close_session(session)
-        writer.write(event_record("interrupted", "interrupted (Ctrl-C)", where))
+        writer.write(event_record("interrupted", reason, where))
         writer.close()
         # Recorded and closed: leave now, as the requested-steps stop does, rather than wait at
         # interpreter exit for the script's non-daemon threads or atexit handlers to end.
@@ -183,6 +196,21 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
     finished = event_record("script_finished", "the script finished", session.where())
     writer.write({**finished, "processes_started": started[0]} if started[0] else finished)
     return SCRIPT_OK
+
+
+def _write_failed(exc: OSError) -> None:
+    """A trace write failed (``TraceWriter``'s ``on_error``, called inside the script's own calls):
+    tell the supervisor, say it in one line, and stop the script here without raising into it."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    told = _control is not None and _control.send(
+        {"write_failed": {"errno": exc.errno, "reason": reason, "path": exc.filename}}
+    )
+    if not told:  # no supervisor to say it better
+        print(f"memdoctor: error: cannot write the trace ({reason}); recording stopped", file=sys.stderr)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(WRITE_FAILED)
 
 
 def _ctrl_c_raises() -> None:

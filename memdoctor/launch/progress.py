@@ -9,6 +9,7 @@ polling logic (``StepCounter``) is plain code, tested without a terminal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -148,7 +149,8 @@ class TerminalBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._progress.stop()
+        with contextlib.suppress(OSError):  # the terminal is gone (a SIGHUP): the outputs still follow
+            self._progress.stop()
 
     def update(self, counts: Counts) -> None:
         if counts.profiled == 0 and self.warmup:

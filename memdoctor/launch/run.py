@@ -2,11 +2,15 @@
 
 A child process rather than this one, so that the script runs exactly as ``python SCRIPT ARGS`` (its
 own ``__main__``, ``sys.argv``, ``sys.path[0]``) and the allocator setting is in the environment before
-anything can start CUDA. Ctrl-C reaches the child from the terminal; this process waits for it.
+anything can start CUDA. Ctrl-C reaches the child from the terminal; this process waits for it. A
+SIGTERM or SIGHUP sent to memdoctor alone (``timeout``, ``docker stop``) is passed on to the script,
+which ends as it would under that signal; if memdoctor is killed outright, the script gets SIGTERM
+from the kernel (``PR_SET_PDEATHSIG``, Linux): it never runs on without memdoctor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,11 +31,19 @@ def run_script(config: PlanConfig, script: str | None, module: str | None, args:
     if config.allocator is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = config.allocator  # read once, when CUDA starts in the child
     proc = subprocess.Popen([sys.executable, "-m", "memdoctor.launch.run_child"], env=env)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child gets Ctrl-C and decides
+    forwarded = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s]
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in forwarded}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child gets Ctrl-C
     try:
         code = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return SIGNAL_BASE - code if code < 0 else code
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Any
 
 from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
+from memdoctor.launch.control import set_parent_death_signal
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 
 ENV_VAR = "MEMDOCTOR_RUN"
@@ -25,6 +27,7 @@ ENV_VAR = "MEMDOCTOR_RUN"
 
 def main() -> int:
     cfg = json.loads(os.environ.pop(ENV_VAR))
+    set_parent_death_signal(signal.SIGTERM)  # memdoctor run killed: the script does not run on alone
     from memdoctor.levers.install import install, say_stderr
 
     installation = install(cfg["config"], say=say_stderr, fail=_fail)

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +22,10 @@ from typing import Any
 from memdoctor import exitcodes
 from memdoctor.capture.collectors import parse_names
 from memdoctor.errors import TraceError
+from memdoctor.launch.childrun import INTERRUPT_KILL_S, ChildOutcome, deferred_stops, run_child
 from memdoctor.launch.profile_child import ENV_VAR
+from memdoctor.launch.saving import failure_line, save_outputs
+from memdoctor.outputs import display_path
 from memdoctor.trace import (
     PARTIAL_SUFFIX,
     TRACE_FILENAME,
@@ -31,7 +33,6 @@ from memdoctor.trace import (
     load_trace,
     make_end,
     make_header,
-    save_trace,
 )
 
 
@@ -67,31 +68,13 @@ class ProfileResult:
     summary_path: Path | None = None
     summary: dict[str, Any] | None = None
     written: list[Path] = field(default_factory=list)
+    output_error: str | None = None  # one line: the outputs that could not be written, and what was kept
+    kept: Path | None = None  # where the measurements are (the trace, or the partial trace it left)
 
 
 # What the verify and re-profile rounds are given: a way to profile once more, and one to print a note.
 Runner = Callable[[ProfileRequest], ProfileResult]
 Say = Callable[[str], None]
-
-
-@dataclass
-class _ChildOutcome:
-    returncode: int
-    interrupted: bool = False
-    timed_out: bool = False
-    duration_s: float = 0.0
-    interrupted_at: float | None = None  # time.monotonic() of the first Ctrl-C
-    escalated: str | None = None  # what the supervisor had to send after Ctrl-C: "SIGINT", "SIGKILL"
-
-
-# After Ctrl-C the child normally records what it has and exits within a second or two. One that has
-# not after INTERRUPT_FORWARD_S gets a SIGINT of its own (a Ctrl-C sent to memdoctor's process only,
-# ``kill -INT``, never reached it); one still running after INTERRUPT_KILL_S is killed, and the trace
-# keeps every step it had flushed: Ctrl-C must always end the run promptly and leave its outputs.
-INTERRUPT_FORWARD_S = 5.0
-INTERRUPT_KILL_S = 20.0
-TIMEOUT_GRACE_S = 15.0  # --timeout: the child gets a Ctrl-C, and this long to record before it is killed
-_POLL_S = 0.25
 
 
 def run_profile(req: ProfileRequest) -> ProfileResult:
@@ -111,21 +94,27 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
         signal=_signal_name(outcome.returncode),
         memdoctor_exit_code=code,
     )
-    save_trace(trace, trace_path)
-    partial.unlink(missing_ok=True)
-    from memdoctor.report import write_report
-
-    paths = write_report(trace, req.out_dir)
+    with deferred_stops() as received:
+        saved = save_outputs(trace, req.out_dir, partial)
+    if received and code == exitcodes.OK:  # stopped once the run was over: the conventional code still
+        code = exitcodes.SIGNAL_BASE + received[0]
+    failure = failure_line(saved, sum(1 for s in trace.steps if s.complete))
+    if status == "output_failed":  # one line: what happened, what was kept, where
+        kept = f"; kept in {display_path(saved.kept)}" if saved.kept is not None and not failure else ""
+        failure = f"{message}{kept}" + (f"; {failure}" if failure else "")
+    paths = saved.paths
     summary = _read_json(paths.get("summary"))
     return ProfileResult(
-        exit_code=code,
+        exit_code=exitcodes.USAGE_ERROR if failure and code == exitcodes.OK else code,
         status=status,
         message=message,
-        trace_path=trace_path,
+        trace_path=paths.get("trace"),
         report_path=paths.get("report"),
         summary_path=paths.get("summary"),
         summary=summary,
-        written=[trace_path, *paths.values()],
+        written=list(paths.values()),
+        output_error=failure,
+        kept=saved.kept,
     )
 
 
@@ -163,29 +152,9 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
     return env
 
 
-def _run_child(req: ProfileRequest, partial: Path) -> _ChildOutcome:
-    start = time.monotonic()
-    proc = subprocess.Popen(child_command(), env=_child_env(req, partial))
-    outcome = _ChildOutcome(returncode=0)
-    previous = signal.getsignal(signal.SIGINT)
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        # The terminal sends Ctrl-C to the child too; it records what it has and exits (_wait makes
-        # sure it does). A second Ctrl-C stops it at once.
-        if outcome.interrupted:
-            proc.kill()
-        else:
-            outcome.interrupted_at = time.monotonic()
-        outcome.interrupted = True
-
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        with _progress(req, partial):
-            outcome.returncode = _wait(proc, req.timeout_s, outcome)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    outcome.duration_s = time.monotonic() - start
-    return outcome
+def _run_child(req: ProfileRequest, partial: Path) -> ChildOutcome:
+    env = _child_env(req, partial)
+    return run_child(child_command(), env, req.timeout_s, lambda: _progress(req, partial))
 
 
 @contextlib.contextmanager
@@ -198,36 +167,6 @@ def _progress(req: ProfileRequest, partial: Path) -> Iterator[None]:
 
     with TerminalBar(req.warmup, req.steps) as bar, ProgressFollower(partial, bar.update):
         yield
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout_s: float | None, outcome: _ChildOutcome) -> int:
-    """The child's exit status; it is stopped when ``timeout_s`` expires or it outlives a Ctrl-C."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        try:
-            # short waits: a Ctrl-C (on_sigint) only sets a flag, and this loop acts on it
-            return proc.wait(timeout=_POLL_S)
-        except subprocess.TimeoutExpired:
-            if outcome.interrupted_at is not None:  # --timeout does not override a Ctrl-C in progress
-                if time.monotonic() - outcome.interrupted_at >= INTERRUPT_FORWARD_S:
-                    return _stop_child(proc, INTERRUPT_KILL_S - INTERRUPT_FORWARD_S, outcome)
-            elif deadline is not None and time.monotonic() >= deadline:
-                outcome.timed_out = True
-                return _stop_child(proc, TIMEOUT_GRACE_S, outcome)
-
-
-def _stop_child(proc: subprocess.Popen[bytes], grace_s: float, outcome: _ChildOutcome) -> int:
-    """Ask the child to stop as Ctrl-C would (so it records what it has), then kill it after
-    ``grace_s``; ``outcome.escalated`` says how far it went."""
-    outcome.escalated = "SIGINT"
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGINT)
-    try:
-        return proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        outcome.escalated = "SIGKILL"
-        proc.kill()
-        return proc.wait()
 
 
 def _salvage(partial: Path, req: ProfileRequest) -> Trace:
@@ -253,11 +192,25 @@ def _salvage(partial: Path, req: ProfileRequest) -> Trace:
         return Trace(header=header, truncated=partial.exists())
 
 
-def classify(trace: Trace, outcome: _ChildOutcome) -> tuple[str, int, str]:
+def classify(trace: Trace, outcome: ChildOutcome) -> tuple[str, int, str]:
     """(status, memdoctor exit code, one-line message) for how the run ended."""
     steps = sum(1 for s in trace.steps if s.complete)
     last = _terminal_event(trace) or {}
     kind = last.get("kind")
+    if outcome.write_failed is not None:
+        reason = outcome.write_failed.get("reason") or "a write error"
+        return (
+            "output_failed",
+            exitcodes.USAGE_ERROR,
+            f"the trace could not be written ({reason}) after {steps} complete steps: recording stopped "
+            "and the script was stopped",
+        )
+    if outcome.stop_signal is not None and kind != "stopped":
+        name = signal.Signals(outcome.stop_signal).name
+        message = f"memdoctor received {name} after {steps} complete steps; the script was stopped"
+        if outcome.escalated == "SIGKILL":
+            message += " (it did not stop in time and was killed)"
+        return "stopped", exitcodes.SIGNAL_BASE + outcome.stop_signal, message
     if outcome.timed_out:
         return (
             "timeout",

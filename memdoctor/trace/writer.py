@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,28 +18,61 @@ class TraceWriter:
 
     A flushed record is in the operating system's hands and survives the death of the process (the
     crashes memdoctor is built for); ``fsync=True`` also survives a machine crash, at a few ms a record.
+
+    ``on_error``: records are written from inside the script's own calls (module and optimizer hooks),
+    so a failed write (a full disk, a file made unwritable) must never raise into the script. With
+    ``on_error`` set, the first ``OSError`` marks the writer failed (every later ``write`` does nothing)
+    and is handed to ``on_error``, which decides what happens to the run; the records flushed before it
+    stay readable (``load_trace(salvage=True)`` stops at the last whole one). Without it, it raises.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        on_error: Callable[[OSError], None] | None = None,
+    ) -> None:
         self.path = Path(path)
         self._fsync = fsync
+        self._on_error = on_error
+        self.failed: OSError | None = None  # the write error that stopped recording (with on_error)
+        self.records_written = 0
         self._fh: IO[bytes] | None = open(self.path, "ab")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.failed is not None:
+            return
         if self._fh is None:
             raise ValueError("trace writer is closed")
         line = json.dumps(
             record, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default
         )
-        self._fh.write(gzip.compress(line.encode() + b"\n", compresslevel=6, mtime=0))
+        try:
+            self._append(gzip.compress(line.encode() + b"\n", compresslevel=6, mtime=0))
+        except OSError as exc:
+            if self._on_error is None:
+                raise
+            self.failed = exc
+            self._on_error(exc)
+            return
+        self.records_written += 1
+
+    def _append(self, member: bytes) -> None:
+        assert self._fh is not None
+        self._fh.write(member)
         self._fh.flush()
         if self._fsync:
             os.fsync(self._fh.fileno())
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            try:
+                fh.close()
+            except OSError:  # the buffered tail of a failed write: what was flushed stays readable
+                if self.failed is None and self._on_error is None:
+                    raise
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
