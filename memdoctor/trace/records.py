@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from memdoctor.units import MAX_NAME_CHARS
+
 FORMAT_NAME = "memdoctor-trace"
 FORMAT_VERSION = 1
 TRACE_FILENAME = "trace.jsonl.gz"
@@ -26,9 +28,21 @@ PARTIAL_SUFFIX = ".partial"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 PHASES = ("forward", "backward", "optimizer", "other")
 
-# Limits a loader enforces so that a crafted trace cannot exhaust memory or time.
-MAX_RECORD_CHARS = 64 * 1024 * 1024
-MAX_NAME_CHARS = 4096
+# Limits a loader enforces so that a crafted trace cannot exhaust memory or time (docs/trace-format.md).
+# Capture keeps within them: a longer module name is cut the same way everywhere (``fit_name``).
+MAX_RECORD_CHARS = 64 * 1024 * 1024  # one record (line), in bytes of JSON
+MAX_DECOMPRESSED_BYTES = 1024**3  # the whole trace, decompressed
+MAX_ABS_NUMBER = 1e40  # any number in any record: past this, figures overflow when summed or scaled
+# Records of each type a trace may hold; "other" counts the unknown types of newer minor versions.
+MAX_RECORDS = {
+    "header": 1,
+    "model": 1_000,
+    "step": 1_000_000,
+    "event": 1_000_000,
+    "collector": 10_000,
+    "end": 100,
+    "other": 100_000,
+}
 
 
 @dataclass
