@@ -103,18 +103,6 @@ def _parse(p: Path, lines: GzipLines, salvage: bool) -> tuple[Trace | None, bool
 _BIG_NUMBER = re.compile(rb"[0-9]{41}|[eE]\+?0*(?:[4-9][0-9]|[0-9]{3})")
 
 
-def _json(line: bytes) -> dict[str, Any]:
-    if not line:
-        raise ValueError("an empty line")
-    if _BIG_NUMBER.search(line):
-        rec = json.loads(line, parse_int=_bounded_int, parse_float=_bounded_float, parse_constant=_no_constant)
-    else:
-        rec = json.loads(line, parse_constant=_no_constant)
-    if not isinstance(rec, dict):
-        raise ValueError("a record must be a JSON object")
-    return rec
-
-
 def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > 40:
         raise ValueError(f"a number of {len(text)} digits (at most {MAX_ABS_NUMBER:g} is accepted)")
@@ -133,6 +121,20 @@ def _bounded(value: Any) -> Any:
 
 def _no_constant(text: str) -> Any:
     raise ValueError(f"{text} is not a number a trace may hold")
+
+
+_PLAIN = json.JSONDecoder(parse_constant=_no_constant)
+_CHECKED = json.JSONDecoder(parse_int=_bounded_int, parse_float=_bounded_float, parse_constant=_no_constant)
+
+
+def _json(line: bytes) -> dict[str, Any]:
+    if not line:
+        raise ValueError("an empty line")
+    decoder = _CHECKED if _BIG_NUMBER.search(line) else _PLAIN
+    rec = decoder.decode(line.decode("utf-8", errors="replace"))
+    if not isinstance(rec, dict):
+        raise ValueError("a record must be a JSON object")
+    return rec
 
 
 def _count(p: Path, counts: dict[str, int], kind: Any) -> None:

@@ -48,7 +48,8 @@ class GzipLines:
     def __iter__(self) -> Iterator[bytes]:
         head = self._fh.read(len(GZIP_MAGIC))
         if head != GZIP_MAGIC:
-            raise TraceError(f"{self._name}: not a gzip file; a memdoctor trace is gzip-compressed JSON Lines")
+            what = "a memdoctor trace is gzip-compressed JSON Lines"
+            raise TraceError(f"{self._name}: not a gzip file; {what}")
         self._pending, self._pos = memoryview(head), 0
         carry = bytearray()
         for chunk in self._chunks():
