@@ -37,6 +37,7 @@ from memdoctor.trace import (
     make_end,
     save_trace,
 )
+from memdoctor.trace.redact import redact_argv
 from memdoctor.units import parse_size
 
 
@@ -87,7 +88,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         from memdoctor.capture.session import ProfileSession
         from memdoctor.device import default_device
         from memdoctor.launch.profile_child import start_run
-        from memdoctor.launch.supervisor import redact_argv
         from memdoctor.outputs import profile_output_dir
 
         self._t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memdoctor.launch.supervisor import redact_argv
+from memdoctor.trace.redact import redact_argv
 
 
 def test_secret_flags_are_redacted_in_both_spellings() -> None:

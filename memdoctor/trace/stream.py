@@ -20,7 +20,7 @@ from typing import BinaryIO
 from memdoctor.errors import TraceError
 
 GZIP_MAGIC = b"\x1f\x8b"
-_FIRST_WINDOW = 512
+FIRST_WINDOW = 512
 _MAX_WINDOW = 1 << 20
 _OUT_CHUNK = 1 << 20
 
@@ -79,7 +79,7 @@ class GzipLines:
         """Decompressed output, member after member, in chunks of at most ``_OUT_CHUNK`` bytes."""
         while True:
             d = zlib.decompressobj(wbits=31)
-            window = _FIRST_WINDOW
+            window = FIRST_WINDOW
             started = False
             while not d.eof:
                 data = self._take(window)
