@@ -66,6 +66,7 @@ FAST_FILES = frozenset(
         "test_precision_capture.py",
         "test_precision_plan.py",
         "test_progress.py",
+        "test_redact.py",
         "test_report.py",
         "test_report_visuals.py",
         "test_reprofile.py",
@@ -74,6 +75,7 @@ FAST_FILES = frozenset(
         "test_story_scenario.py",
         "test_story_workload.py",
         "test_summary.py",
+        "test_trace_limits.py",
         "test_transfers.py",
         "test_verify_failures.py",
     }

@@ -59,7 +59,7 @@ _TOKEN_SHAPES = re.compile(
     r"|\bsk-(?:proj-|ant-|svcacct-)?[A-Za-z0-9_-]{20,}"
 )
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{6,}")
-_WANDB_KEY = re.compile(r"(?i)(wandb[\w.-]*(?:\s*[=:]\s*|\s+)['\"]?)[0-9a-f]{40}\b")
+_WANDB_KEY = re.compile(r"(?i)(wandb[\w.-]*(?:\s+[\w-]+)?(?:\s*[=:]\s*|\s+)['\"]?)[0-9a-f]{40}\b")
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
 _FLAG_VALUE = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*)(=|\s+)(?!-)(['\"]?)([^\s'\";,]+)")
 _NAME_VALUE = re.compile(r"\b([A-Za-z_][\w.-]*)=(['\"]?)([^\s'\",;&]+)")
