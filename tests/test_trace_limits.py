@@ -255,3 +255,23 @@ def test_events_past_the_row_cap_are_counted_not_listed(tmp_path: Path) -> None:
     html = render_report(trace)
     assert 'id="events-left-out"' in html and "250 events" in html
     assert f"note {EVENT_ROWS // 2 + 10}" not in html.split('id="event-table"')[1].split("</table>")[0]
+
+
+# ------------------------------------------------------------------------------------- exit codes
+
+
+class ClosedPipe(io.StringIO):
+    """A stdout whose reader has gone (``memdoctor report ... | head``)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError
+
+    def flush(self) -> None:
+        raise BrokenPipeError
+
+
+def test_a_closed_stdout_pipe_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.jsonl.gz"
+    _records(path)
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["report", str(path), "-o", str(tmp_path / "out")]) == 0
