@@ -51,6 +51,15 @@ def _base(steps: int = 3) -> tuple[dict[str, Any], list[dict[str, Any]], dict[st
     return recs[0], recs[1:-1], recs[-1]
 
 
+def baseline(path: Path) -> str:
+    """A small valid run (1 warm-up and 3 steps of a 4-module model): the fixed cost of the command."""
+    header, body, end = _base()
+    with path.open("wb") as fh:
+        for rec in [header, *body, end]:
+            fh.write(_member(rec))
+    return "a normal 4-step trace (the command's fixed cost)"
+
+
 def newlines(path: Path, size: int) -> str:
     """A valid header, then one gzip member holding ``size`` bytes of newlines (about 1 MB per GiB)."""
     header, _, _ = _base()
@@ -169,6 +178,7 @@ def run_report(trace: Path, out: Path) -> dict[str, Any]:
 
 
 def cases(a: argparse.Namespace) -> Iterator[tuple[str, Callable[[Path], str]]]:
+    yield "baseline", baseline
     yield "newlines", lambda p: newlines(p, a.newlines_mib * MiB)
     yield "long_line", lambda p: long_line(p, a.line_mib * MiB)
     yield "members", lambda p: members(p, a.members)

@@ -10,7 +10,14 @@ import pytest
 
 from memdoctor.report import write_report
 from memdoctor.trace import TraceWriter, event_record, load_trace, make_end, make_header
-from memdoctor.trace.redact import REDACTED, is_secret_name, redact_argv, redact_record, redact_text, secret_values
+from memdoctor.trace.redact import (
+    REDACTED,
+    is_secret_name,
+    redact_argv,
+    redact_record,
+    redact_text,
+    secret_values,
+)
 from tests.tracebuilder import GiB, TraceBuilder, bert_like
 
 HF = "hf_" + "PlantedHuggingFaceToken1234567"
@@ -38,7 +45,8 @@ def test_secret_flags_are_redacted_in_both_spellings() -> None:
 
 
 @pytest.mark.parametrize(
-    "flag", ["--db-pass", "--auth", "--credentials", "--pat", "--bearer", "--client-secret", "--ssh-key", "--gh_pat"]
+    "flag",
+    ["--db-pass", "--auth", "--credentials", "--pat", "--bearer", "--client-secret", "--ssh-key", "--gh_pat"],
 )
 def test_every_secret_word_redacts_its_value(flag: str) -> None:
     assert redact_argv([flag, "planted1", f"{flag}=planted2"], []) == [flag, REDACTED, f"{flag}={REDACTED}"]
@@ -64,7 +72,13 @@ def test_a_flag_without_a_value_does_not_swallow_the_next_flag() -> None:
 def test_url_user_info_and_token_shapes_are_redacted_anywhere() -> None:
     argv = ["--data", "https://bob:hunter2@example.com/x", HF, f"--model={GH}", GH_PAT, AWS, OPENAI]
     out = redact_argv(argv, [])
-    assert out == ["--data", f"https://{REDACTED}@example.com/x", REDACTED, f"--model={REDACTED}", *[REDACTED] * 3]
+    assert out == [
+        "--data",
+        f"https://{REDACTED}@example.com/x",
+        REDACTED,
+        f"--model={REDACTED}",
+        *[REDACTED] * 3,
+    ]
 
 
 def test_a_wandb_key_after_a_wandb_flag_is_redacted() -> None:
@@ -86,7 +100,12 @@ def test_secret_names() -> None:
 
 
 def test_the_environments_secret_values_are_scrubbed_from_text() -> None:
-    env = {"MY_SERVICE_TOKEN": ENV_SECRET, "TOKENIZERS_PARALLELISM": "false", "PATH": "/usr/bin", "X_KEY": "1"}
+    env = {
+        "MY_SERVICE_TOKEN": ENV_SECRET,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PATH": "/usr/bin",
+        "X_KEY": "1",
+    }
     assert secret_values(env) == [ENV_SECRET]
     text = f"RuntimeError: login refused for {ENV_SECRET} (retry)"
     assert redact_text(text, secret_values(env)) == f"RuntimeError: login refused for {REDACTED} (retry)"
@@ -120,7 +139,16 @@ def _planted_trace(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     b.add_model(bert_like(layers=2, seq=64))
     b.add_steps(warmup=1, profiled=2)
     b.header["command"] = {
-        "argv": ["--db-pass", "hunter2", "--auth=planted-auth", "--pat", GH, "--data", "s3://k:planted-s3@b/x", HF],
+        "argv": [
+            "--db-pass",
+            "hunter2",
+            "--auth=planted-auth",
+            "--pat",
+            GH,
+            "--data",
+            "s3://k:planted-s3@b/x",
+            HF,
+        ],
         "script": "train.py",
         "module": None,
         "cwd": "/work",
@@ -131,7 +159,9 @@ def _planted_trace(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         writer.write(rec)
     message = f"RuntimeError: could not log in with {ENV_SECRET} or {OPENAI}"
     writer.write(event_record("note", message, None, traceback=[f'  token = "{AWS}"', f"wandb {WANDB}"]))
-    writer.write({"type": "end", **make_end(status="completed", message=message, steps_recorded=2, duration_s=1)})
+    writer.write(
+        {"type": "end", **make_end(status="completed", message=message, steps_recorded=2, duration_s=1)}
+    )
     writer.close()
 
 

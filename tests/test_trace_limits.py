@@ -22,7 +22,8 @@ from memdoctor.analysis.numbers import median_of_others
 from memdoctor.analysis.summary import EVENT_ROWS, summary_figures
 from memdoctor.capture.discovery import describe_model
 from memdoctor.cli import main
-from memdoctor.errors import TraceError, UsageError
+from memdoctor.config.file import parse_config
+from memdoctor.errors import ConfigError, TraceError, UsageError
 from memdoctor.levers.modnames import recorded_names, submodule
 from memdoctor.report.render import render_report
 from memdoctor.trace import MAX_NAME_CHARS, load_trace, save_trace, stream
@@ -275,3 +276,11 @@ def test_a_closed_stdout_pipe_exits_0(tmp_path: Path, monkeypatch: pytest.Monkey
     _records(path)
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(["report", str(path), "-o", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize("value", ["1" + "0" * 400, ".inf", ".nan", "-1"])
+def test_an_overflowing_number_in_a_config_is_a_config_error(value: str) -> None:
+    text = f"memdoctor_config: 1\nprovenance:\n  predicted_step_time_ratio: {value}\n"
+    with pytest.raises(ConfigError, match="predicted_step_time_ratio must be a number from 0"):
+        parse_config(text)
+    assert parse_config(text.replace(value, "1.25")).provenance.predicted_step_time_ratio == 1.25
