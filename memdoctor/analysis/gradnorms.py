@@ -150,16 +150,20 @@ def vanishing_flags(trace: Trace) -> list[dict[str, Any]]:
     of its neighbours (up to two blocks on each side). Its weights barely learn; look for what cuts the
     gradient there (a saturated activation, a detach, a residual path that skips it, a bad init)."""
     out = []
+    stacks = [(info, repeated_blocks(info)) for info in trace.models]  # once, not once per step
     for s in grad_norm_steps(trace):
-        for info in trace.models:
-            out += _vanishing_in(trace, info, s)
+        for info, blocks in stacks:
+            if blocks:
+                out += _vanishing_in(trace, info, blocks, s)
     return out
 
 
-def _vanishing_in(trace: Trace, info: ModelInfo, step: StepRecord) -> list[dict[str, Any]]:
+def _vanishing_in(
+    trace: Trace, info: ModelInfo, stacks: list[list[int]], step: StepRecord
+) -> list[dict[str, Any]]:
     norms = inclusive_grad_norms(info, module_columns(info, step))
     out = []
-    for blocks in repeated_blocks(info):
+    for blocks in stacks:
         for k, i in enumerate(blocks):
             near = blocks[max(0, k - VANISHING_NEIGHBOURS) : k] + blocks[k + 1 : k + 1 + VANISHING_NEIGHBOURS]
             values = [v for v in (norms[j] for j in near) if v is not None]
