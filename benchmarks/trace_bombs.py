@@ -158,6 +158,7 @@ def far_timestamp(path: Path, when: float) -> str:
 
 def run_report(trace: Path, out: Path) -> dict[str, Any]:
     """Run ``memdoctor report`` on ``trace``; its exit code, first stderr line, wall time and peak RSS."""
+    load = os.getloadavg()[0]  # the machine's load as the case starts: these timings are wall times
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "memdoctor", "report", str(trace), "-o", str(out), "--force"]
     start = time.monotonic()
@@ -174,6 +175,7 @@ def run_report(trace: Path, out: Path) -> dict[str, Any]:
         "wall_s": round(wall, 2),
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
         "report_mib": round(report.stat().st_size / MiB, 2) if report.exists() else None,
+        "load_avg": round(load, 1),
     }
 
 
@@ -219,7 +221,8 @@ def main() -> int:
             rows.append(row)
             print(
                 f"| {name} | {what} | {row['rc']} | {row['wall_s']} s | {row['peak_rss_mib']} MiB | "
-                f"{row['report_mib'] if row['report_mib'] is not None else '-'} | {row['stderr']} |",
+                f"{row['report_mib'] if row['report_mib'] is not None else '-'} | {row['load_avg']} | "
+                f"{row['stderr']} |",
                 flush=True,
             )
     if a.json:
