@@ -41,6 +41,7 @@ class GzipLines:
         self.max_line = max_line
         self.truncated = False
         self.decompressed = 0
+        self.lines = 0  # lines yielded so far
         self._pending = memoryview(b"")
         self._pos = 0
         self._from_pending = False
@@ -62,6 +63,7 @@ class GzipLines:
                 else:
                     line = chunk[start:nl]
                 self._check_line(len(line))
+                self.lines += 1
                 yield line
                 start = nl + 1
             carry += chunk[start:]
@@ -72,7 +74,8 @@ class GzipLines:
     def _check_line(self, n: int) -> None:
         if n > self.max_line:
             raise TraceError(
-                f"{self._name}: a record is longer than the cap of {self.max_line} bytes; refusing the trace"
+                f"{self._name}: record {self.lines + 1} is larger than the cap of {self.max_line} bytes; "
+                "refusing the trace"
             )
 
     def _chunks(self) -> Iterator[bytes]:
