@@ -26,8 +26,17 @@ from memdoctor.config.file import parse_config
 from memdoctor.errors import ConfigError, TraceError, UsageError
 from memdoctor.levers.modnames import recorded_names, submodule
 from memdoctor.report.render import render_report
-from memdoctor.trace import MAX_NAME_CHARS, load_trace, save_trace, stream
+from memdoctor.trace import (
+    MAX_NAME_CHARS,
+    TraceWriter,
+    event_record,
+    load_trace,
+    make_end,
+    save_trace,
+    stream,
+)
 from memdoctor.trace import reader as trace_reader
+from memdoctor.trace.records import MAX_MESSAGE_CHARS
 from memdoctor.trace.stream import GzipLines
 from memdoctor.units import fit_name, parse_size
 from tests.tracebuilder import TraceBuilder, tiny_mlp
@@ -284,3 +293,20 @@ def test_an_overflowing_number_in_a_config_is_a_config_error(value: str) -> None
     with pytest.raises(ConfigError, match="predicted_step_time_ratio must be a number from 0"):
         parse_config(text)
     assert parse_config(text.replace(value, "1.25")).provenance.predicted_step_time_ratio == 1.25
+
+
+def test_a_huge_message_is_written_as_the_reader_keeps_it(tmp_path: Path) -> None:
+    """A message the writer takes whole (a long ``ConfigError``) is cut as written, never making the
+    trace unreadable (the reader's text limit is 64 KiB)."""
+    path = tmp_path / "t.jsonl.gz"
+    records = _records(path)
+    writer = TraceWriter(path.with_name("m.jsonl.gz"))
+    for rec in records[:-1]:
+        writer.write(rec)
+    writer.write(event_record("config_error", "x" * 200_000))
+    end = make_end(status="config_error", message="y" * 200_000, steps_recorded=2, duration_s=1)
+    writer.write({"type": "end", **end})
+    writer.close()
+    trace = load_trace(path.with_name("m.jsonl.gz"))
+    assert trace.events[-1]["message"] == "x" * MAX_MESSAGE_CHARS
+    assert trace.end is not None and len(trace.end["message"]) == MAX_MESSAGE_CHARS

@@ -31,6 +31,7 @@ PHASES = ("forward", "backward", "optimizer", "other")
 # Limits a loader enforces so that a crafted trace cannot exhaust memory or time (docs/trace-format.md).
 # Capture keeps within them: a longer module name is cut the same way everywhere (``fit_name``).
 MAX_RECORD_CHARS = 64 * 1024 * 1024  # one record (line), in bytes of JSON
+MAX_MESSAGE_CHARS = MAX_NAME_CHARS * 4  # an event's or the end's message, as written and as read
 MAX_DECOMPRESSED_BYTES = 1024**3  # the whole trace, decompressed
 MAX_ABS_NUMBER = 1e40  # any number in any record: past this, figures overflow when summed or scaled
 # Records of each type a trace may hold; "other" counts the unknown types of newer minor versions.
@@ -247,7 +248,7 @@ def make_end(
         "status": status,
         "exit_code": exit_code,
         "signal": signal,
-        "message": message,
+        "message": message[:MAX_MESSAGE_CHARS],  # what a reader keeps of it
         "steps_recorded": steps_recorded,
         "duration_s": round(duration_s, 3),
         "memdoctor_exit_code": memdoctor_exit_code,
@@ -269,7 +270,7 @@ def event_record(
     return {
         "type": "event",
         "kind": kind,
-        "message": message,
+        "message": message[:MAX_MESSAGE_CHARS],  # what a reader keeps of it
         "t_unix": time.time(),
         **(where or {}),
         **fields,
@@ -280,7 +281,7 @@ def event_from_record(rec: dict[str, Any]) -> dict[str, Any]:
     """An event as ``Trace.events`` holds it: without its ``type``, its kind and message bounded."""
     ev = {k: v for k, v in rec.items() if k != "type"}
     ev["kind"] = _name(ev.get("kind", "note"))
-    ev["message"] = str(ev.get("message", ""))[: MAX_NAME_CHARS * 4]
+    ev["message"] = str(ev.get("message", ""))[:MAX_MESSAGE_CHARS]
     return ev
 
 
