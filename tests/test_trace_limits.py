@@ -310,3 +310,22 @@ def test_a_huge_message_is_written_as_the_reader_keeps_it(tmp_path: Path) -> Non
     trace = load_trace(path.with_name("m.jsonl.gz"))
     assert trace.events[-1]["message"] == "x" * MAX_MESSAGE_CHARS
     assert trace.end is not None and len(trace.end["message"]) == MAX_MESSAGE_CHARS
+
+
+def test_a_plan_naming_a_cut_module_applies_to_it() -> None:
+    """The cut name a plan made from the trace holds finds its module in the live model (memdoctor.apply
+    and memdoctor run share the lookup: memdoctor.levers.modnames)."""
+    from memdoctor.levers.apply import apply
+
+    model = _long_named()
+    inner = max(recorded_names(model), key=len)
+    config = parse_config(f"memdoctor_config: 1\ncheckpoint:\n- {inner}\n")
+    target = submodule(model, inner)
+    forward = target.forward
+    applied = apply(config, model)
+    try:
+        assert target.forward is not forward, "the cut-named module was not checkpointed"
+        model.get_submodule("a" * 3000).get_submodule("b" * 3000)(torch.randn(1, 2, requires_grad=True)).sum()
+    finally:
+        applied.remove()
+    assert target.forward == forward
