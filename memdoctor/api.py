@@ -36,6 +36,7 @@ from memdoctor.trace import (
     load_trace,
     make_end,
 )
+from memdoctor.trace.redact import redact_argv
 from memdoctor.units import parse_size
 
 
@@ -100,7 +101,6 @@ class profile:  # lower case: used as ``with memdoctor.profile(...)``, like torc
         from memdoctor.capture.session import ProfileSession
         from memdoctor.device import default_device
         from memdoctor.launch.profile_child import start_run
-        from memdoctor.launch.supervisor import redact_argv
 
         self.out_dir = self._out.path
         self.trace_path = self.out_dir / TRACE_FILENAME

@@ -3,6 +3,7 @@ short listings of names (``first_names``)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
@@ -24,6 +25,10 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
+# The longest name (a module's qualified name, a class name) a trace records and a reader accepts.
+MAX_NAME_CHARS = 4096
+# The largest size memdoctor takes (1 EiB): anything past it is a typo, and would overflow the figures.
+MAX_SIZE_BYTES = 1024**6
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -33,10 +38,27 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise UsageError(f"cannot read {text!r} as a size: write e.g. 8GiB, 7.5GB, 512MiB or a byte count")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
+    value = float(match.group(1)) * _UNITS[unit]
+    if not value <= MAX_SIZE_BYTES:  # also inf, from hundreds of digits
+        raise UsageError(f"{_cut(text)!r} is larger than memdoctor takes (at most 1 EiB); check the size")
+    if int(value) <= 0:
         raise UsageError(f"a size must be positive, got {text!r}")
-    return value
+    return int(value)
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def fit_name(name: str, limit: int = MAX_NAME_CHARS) -> str:
+    """``name`` as a trace records it: unchanged up to ``limit`` characters, else its start, ``~`` and 16
+    hex digits of its SHA-256. The same name is cut the same way everywhere (the trace, the plan, the
+    config, and ``memdoctor run`` finding a config's modules in the live model), and two long names
+    that share their start stay apart."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{name[: limit - 17]}~{digest}"
 
 
 def format_bytes(n: float | int | None, precision: int = 2) -> str:

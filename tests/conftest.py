@@ -70,6 +70,7 @@ FAST_FILES = frozenset(
         "test_precision_capture.py",
         "test_precision_plan.py",
         "test_progress.py",
+        "test_redact.py",
         "test_report.py",
         "test_report_visuals.py",
         "test_reprofile.py",
@@ -80,6 +81,7 @@ FAST_FILES = frozenset(
         "test_story_scenario.py",
         "test_story_workload.py",
         "test_summary.py",
+        "test_trace_limits.py",
         "test_transfers.py",
         "test_verify_failures.py",
     }

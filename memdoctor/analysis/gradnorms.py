@@ -19,7 +19,7 @@ from memdoctor.analysis.layers import (
     subtree_sums,
     top_modules,
 )
-from memdoctor.analysis.numbers import opt_float
+from memdoctor.analysis.numbers import median_of_others, opt_float
 from memdoctor.analysis.steps import peak_step
 from memdoctor.trace import ModelInfo, StepRecord, Trace
 
@@ -112,10 +112,12 @@ def exploding_flags(trace: Trace) -> list[dict[str, Any]]:
     weights far off; gradient clipping (``clip_grad_norm_``) or a lower learning rate are the usual cures.
     The module named holds the largest gradient norm of that step."""
     norms = {r["step"]: r["global"] for r in grad_norm_series(trace)}
+    ordered = sorted(v for v in norms.values() if v is not None)
     out = []
     for s in grad_norm_steps(trace):
-        others = [v for k, v in norms.items() if k != s.step and v is not None]
-        reason = _exploding_reason(norms[s.step], statistics.median(others) if others else None)
+        norm = norms[s.step]
+        others = median_of_others(ordered, norm) if norm is not None else None
+        reason = _exploding_reason(norm, others)
         if reason:
             name, value = _largest_grad_module(trace, s)
             out.append(_grad_flag("exploding", name, s.step, f"{reason}; largest in {name} ({value:.3g})"))
@@ -148,16 +150,20 @@ def vanishing_flags(trace: Trace) -> list[dict[str, Any]]:
     of its neighbours (up to two blocks on each side). Its weights barely learn; look for what cuts the
     gradient there (a saturated activation, a detach, a residual path that skips it, a bad init)."""
     out = []
+    stacks = [(info, repeated_blocks(info)) for info in trace.models]  # once, not once per step
     for s in grad_norm_steps(trace):
-        for info in trace.models:
-            out += _vanishing_in(trace, info, s)
+        for info, blocks in stacks:
+            if blocks:
+                out += _vanishing_in(trace, info, blocks, s)
     return out
 
 
-def _vanishing_in(trace: Trace, info: ModelInfo, step: StepRecord) -> list[dict[str, Any]]:
+def _vanishing_in(
+    trace: Trace, info: ModelInfo, stacks: list[list[int]], step: StepRecord
+) -> list[dict[str, Any]]:
     norms = inclusive_grad_norms(info, module_columns(info, step))
     out = []
-    for blocks in repeated_blocks(info):
+    for blocks in stacks:
         for k, i in enumerate(blocks):
             near = blocks[max(0, k - VANISHING_NEIGHBOURS) : k] + blocks[k + 1 : k + 1 + VANISHING_NEIGHBOURS]
             values = [v for v in (norms[j] for j in near) if v is not None]

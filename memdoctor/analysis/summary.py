@@ -28,6 +28,10 @@ from memdoctor.trace import CATEGORIES, StepRecord, Trace
 from memdoctor.version import __version__
 
 SUMMARY_FORMAT_VERSION = 1
+# Events ``summary.json`` and the report list: the first and the last half of these, and a count of the
+# rest (``events_left_out``); the trace keeps them all. A run that logs a million warnings would
+# otherwise give a report of hundreds of megabytes.
+EVENT_ROWS = 1000
 # The collectors' modules that add ``summary.json`` keys, in order: each has ``summarize(trace,
 # summary)``, which adds its keys (null where the trace did not measure them).
 SECTIONS: tuple[ModuleType, ...] = (devicefacts, flops, data, transfers, histograms, precision, verified)
@@ -54,7 +58,8 @@ def summary_figures(trace: Trace) -> dict[str, Any]:
         "layers": summary_layers(trace, step),
         "outside_modules": outside_holders(trace, step),
         "steps": step_rows(trace),
-        "events": [event_row(trace, e) for e in trace.events],
+        "events": [event_row(trace, trace.events[i]) for i in shown_events(len(trace.events))],
+        "events_left_out": max(0, len(trace.events) - EVENT_ROWS),
         "fault": fault_info(trace),
         "live_at_fault": live_at_fault(trace),
         "peak_ledger": peak_ledger(trace, step),
@@ -64,6 +69,14 @@ def summary_figures(trace: Trace) -> dict[str, Any]:
     for section in SECTIONS:
         section.summarize(trace, summary)
     return summary
+
+
+def shown_events(n: int, rows: int = EVENT_ROWS) -> list[int]:
+    """The indices of the events listed of ``n``: all up to ``rows``, else the first and the last
+    ``rows // 2`` (the run's start, and how it ended)."""
+    if n <= rows:
+        return list(range(n))
+    return [*range(rows // 2), *range(n - (rows - rows // 2), n)]
 
 
 def unperturbed(steps: list[StepRecord]) -> list[StepRecord]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from memdoctor.trace import ModelInfo
+from memdoctor.units import fit_name
 
 
 @dataclass
@@ -107,7 +108,7 @@ def describe_model(index: int, root: nn.Module, optimizers: list[torch.optim.Opt
     parents: list[int] = []
     for name, mod in root.named_modules(remove_duplicate=True):
         pos[id(mod)] = len(mods)
-        names.append(name)
+        names.append(fit_name(name))  # as the reader accepts it, and as memdoctor run looks it up
         mods.append(mod)
     parents = [-1] * len(mods)
     for i, mod in enumerate(mods):
@@ -132,9 +133,9 @@ def describe_model(index: int, root: nn.Module, optimizers: list[torch.optim.Opt
                 tbytes[i] += nbytes
     info = ModelInfo(
         index=index,
-        cls=type(root).__name__,
+        cls=fit_name(type(root).__name__),
         names=names,
-        types=[type(m).__name__ for m in mods],
+        types=[fit_name(type(m).__name__) for m in mods],
         parents=parents,
         param_bytes=pbytes,
         param_counts=pcount,

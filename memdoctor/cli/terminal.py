@@ -33,10 +33,9 @@ def print_summary(
     summary: dict[str, Any] | None, trace: Any = None, *, status: str | None, message: str | None
 ) -> None:
     """A short table of the run (from ``summary.json``'s data) and its biggest layers, on stdout."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = _console()
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
     for key, value in _summary_rows(summary or {}, status, message):
         table.add_row(f"[bold]{key}[/bold]", value)
@@ -199,11 +198,10 @@ def print_written(paths: Sequence[Path | str | None]) -> None:
 
 def print_plan(out: dict[str, Any], cards: list[dict[str, Any]]) -> None:
     """The plan in a few lines, the findings and the card table, on stdout."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = _console()
     plan = out["plan"]
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
     for key, value in _plan_rows(plan):
@@ -267,13 +265,12 @@ def _cards_table(cards: list[dict[str, Any]], table_cls: Any) -> Any:
 def print_diff(data: dict[str, Any]) -> None:
     """The comparison as terminal tables: headline figures, categories, most-changed layers."""
     from rich import box
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from memdoctor.report.diff import format_delta, format_value
 
-    console = Console(highlight=False)
+    console = _console()
     console.print(f"A: {escape(data['a']['path'])}\nB: {escape(data['b']['path'])}")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("", "A", "B", "B - A"):
@@ -292,3 +289,17 @@ def print_diff(data: dict[str, Any]) -> None:
             vals = (row["activation_a"], row["activation_b"], row["param_a"], row["param_b"])
             layers.add_row(escape(row["name"]), *("-" if v is None else format_bytes(v) for v in vals))
         console.print(layers)
+
+
+def _console() -> Any:
+    """rich's console, but a closed stdout pipe (``memdoctor report ... | head``) is the reader's choice,
+    not a failure: rich would exit 1 there; ``BrokenPipeError`` reaches the command line's edge, which
+    answers 0 (``memdoctor.cli``)."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeConsole(highlight=False)

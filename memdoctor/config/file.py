@@ -281,6 +281,9 @@ def _data_loader(value: Any, src: str) -> DataLoaderSettings:
     return DataLoaderSettings(**out)
 
 
+_MAX_RATIO = 1e6  # a predicted slow-down past this is a typo (and 400 digits would overflow a float)
+
+
 def _provenance(value: Any, src: str) -> Provenance:
     if value is None:
         return Provenance()
@@ -288,8 +291,12 @@ def _provenance(value: Any, src: str) -> Provenance:
     m = _mapping(value, "provenance", names, src)
     fits, verified = (_opt_bool(m.get(k), f"provenance.{k}", src) for k in ("fits", "verified"))
     ratio = m.get("predicted_step_time_ratio")
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
-        raise ConfigError(f"{src}: provenance.predicted_step_time_ratio must be a number")
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= _MAX_RATIO
+    ):
+        raise ConfigError(
+            f"{src}: provenance.predicted_step_time_ratio must be a number from 0 to {_MAX_RATIO:g}"
+        )
     ints = {
         k: None if m.get(k) is None else _int(m[k], f"provenance.{k}", src, minimum=0)
         for k in ("module_count", "param_count", "budget_bytes", "predicted_peak_bytes")

@@ -34,6 +34,7 @@ from memdoctor.launch.faults import close_session, exception_fields, is_oom, one
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 from memdoctor.patching import wrap_attr
 from memdoctor.trace import TraceWriter, event_record, make_header
+from memdoctor.trace.redact import redact_text, secret_values
 
 ENV_VAR = "MEMDOCTOR_CHILD"
 WRITE_FAILED = 75  # the exit code after a failed trace write (EX_TEMPFAIL); the supervisor is told why
@@ -188,7 +189,8 @@ def _run(cfg: dict[str, Any], session: Any, writer: Any) -> int:
         where = close_session(session)
         kind = "oom" if is_oom(exc) else "exception"
         writer.write(event_record(kind, one_line(exc), where, **exception_fields(exc)))
-        traceback.print_exception(type(exc), exc, user_tb(exc.__traceback__))
+        shown = "".join(traceback.format_exception(type(exc), exc, user_tb(exc.__traceback__)))
+        print(redact_text(shown, secret_values()), end="", file=sys.stderr, flush=True)  # as the trace has it
         return SCRIPT_RAISED
     finally:
         undo_count()

@@ -34,6 +34,7 @@ from memdoctor.trace import (
     make_end,
     make_header,
 )
+from memdoctor.trace.redact import redact_argv
 
 
 @dataclass
@@ -304,30 +305,6 @@ def _signal_name(returncode: int) -> str | None:
         return signal.Signals(-returncode).name
     except ValueError:
         return None
-
-
-SECRET_FLAGS = ("token", "api-key", "api_key", "apikey", "password", "passwd", "secret", "key")
-
-
-def redact_argv(args: list[str]) -> list[str]:
-    """Command-line values that look like secrets are replaced by ``<redacted>``."""
-    out: list[str] = []
-    redact_next = False
-    for arg in args:
-        if redact_next:
-            out.append("<redacted>")
-            redact_next = False
-            continue
-        flag, eq, _value = arg.partition("=")
-        secret = any(s in flag.lower().lstrip("-") for s in SECRET_FLAGS)
-        if secret and eq:
-            out.append(f"{flag}=<redacted>")
-        elif secret and arg.startswith("-"):
-            out.append(arg)
-            redact_next = True
-        else:
-            out.append(arg)
-    return out
 
 
 def _read_json(path: Path | None) -> dict[str, Any] | None:

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from memdoctor.capture.loopshape import batch_dims, batch_size_of, tensors_of
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.errors import ConfigError
+from memdoctor.levers.modnames import recorded_names, submodule
 from memdoctor.patching import wrap_forward
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -203,7 +204,7 @@ def no_kv_cache(root: torch.nn.Module) -> Callable[[], None] | None:
 
 def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loader: Any = None) -> Applied:
     """Apply ``config`` to ``model`` (see the module docstring); ``ConfigError`` names what cannot apply."""
-    check_modules(config, [name for name, _ in model.named_modules()], type(model).__name__)
+    check_modules(config, recorded_names(model), type(model).__name__)
     refused = not_applicable(config, loader)
     if refused:
         raise ConfigError("memdoctor.apply cannot apply: " + "; ".join(refused))
@@ -221,7 +222,7 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
         applied.remove()
         raise ConfigError(f"memdoctor.apply cannot apply: {exc}") from None
     for name in config.checkpoint:
-        applied._checkpoint(model.get_submodule(name))
+        applied._checkpoint(submodule(model, name))
     if config.checkpoint:
         undo = no_kv_cache(model)
         if undo is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from memdoctor.config.export import hf_training_arguments
 from memdoctor.levers.frameworks_state import FrameworkState, micro_batch_note
+from memdoctor.units import fit_name
 
 
 def patch_training_arguments(state: FrameworkState, module: ModuleType) -> None:
@@ -190,7 +191,7 @@ def _hf_every_n_layers(model: Any, wanted: set[str]) -> int | None:
     layers, others = [], False
     for name, module in model.named_modules():
         if isinstance(module, GradientCheckpointingLayer):
-            layers.append(name)
+            layers.append(fit_name(name))
         elif hasattr(module, "gradient_checkpointing") and not isinstance(module, PreTrainedModel):
             others = True  # an old-style module that checkpoints its own children: more than planned
     if others or not layers:

@@ -31,6 +31,7 @@ from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
 from memdoctor.levers.loopsplit import LoopSplit
 from memdoctor.levers.microbatch import MicroBatching
+from memdoctor.levers.modnames import recorded_names, submodule
 from memdoctor.levers.offload import install_offload
 from memdoctor.levers.offload_full import FullOffload, class_name, model_for, not_sharded
 from memdoctor.levers.padding import PaddingTrim
@@ -126,7 +127,7 @@ class Installation:
         generator and discriminator). A root with the modules that is not the one described is taken
         only if no better one is built before the first optimizer step (``missing``)."""
         cls = class_name(root)
-        names = {name for name, _ in root.named_modules()}
+        names = set(recorded_names(root))
         p = self.config.provenance
         if all(n in names for n in (*self.config.checkpoint, *self.config.offload_parameters)):
             if describes(root, p.model_class, p.module_count, p.param_count):
@@ -142,7 +143,7 @@ class Installation:
     def matches(self, root: nn.Module) -> bool:
         """Whether ``root`` has the planned modules and is the model the provenance describes (for a
         model met at its first forward, in a script that builds no optimizer: never stops the run)."""
-        names = {name for name, _ in root.named_modules()}
+        names = set(recorded_names(root))
         p = self.config.provenance
         wanted = (*self.config.checkpoint, *self.config.offload_parameters)
         return all(n in names for n in wanted) and describes(
@@ -160,7 +161,7 @@ class Installation:
 
     def _stale(self, root: nn.Module) -> None:
         try:
-            check_modules(self.config, [n for n, _ in root.named_modules()], type(root).__name__)
+            check_modules(self.config, recorded_names(root), type(root).__name__)
         except ConfigError as exc:
             self.fail(str(exc))
 
@@ -183,7 +184,7 @@ class Installation:
         c = self.config
         if c.checkpoint and self.ours("checkpoint"):
             for name in c.checkpoint:
-                self._undo.append(checkpoint_module(root.get_submodule(name), self.see_saved))
+                self._undo.append(checkpoint_module(submodule(root, name), self.see_saved))
             shown = first_names(c.checkpoint, _SHOWN_NAMES, " ")
             seen = f"; {SEEN_THROUGH}" if self.see_saved is not None and can_see_through() else ""
             self.applied(f"checkpointing {len(c.checkpoint)} modules of {cls}: {shown}{seen}")

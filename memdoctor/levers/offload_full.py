@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memdoctor.capture.discovery import find_trained_roots
+from memdoctor.levers.modnames import recorded_names
 from memdoctor.patching import Undo, set_attr
 
 STACK_MIN = 3  # as the analysis's repeated stacks (memdoctor.analysis.layers.repeated_blocks)
@@ -124,7 +125,7 @@ def model_for(names: Iterable[str]) -> Callable[[nn.Module], bool]:
     wanted = list(names)
 
     def accept(root: nn.Module) -> bool:
-        held = {name for name, _ in root.named_modules()}
+        held = set(recorded_names(root))
         return all(n in held for n in wanted)
 
     return accept

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from memdoctor.levers.modnames import submodule
 from memdoctor.levers.offload_host import fused_refusal, host_buffer, host_capturable, state_to, synchronize
 from memdoctor.patching import Undo
 
@@ -69,7 +70,7 @@ class ParameterOffload:
 
     def _find(self) -> None:
         for name in self.names:
-            for p in self.root.get_submodule(name).parameters():
+            for p in submodule(self.root, name).parameters():
                 self.params[id(p)] = p
         seen: set[int] = set()
         for qual, module in self.root.named_modules(remove_duplicate=False):
@@ -89,7 +90,7 @@ class ParameterOffload:
 
     def refusal(self) -> str | None:
         """Why these modules cannot be offloaded, or None."""
-        empty = [n for n in self.names if not any(True for _ in self.root.get_submodule(n).parameters())]
+        empty = [n for n in self.names if not any(True for _ in submodule(self.root, n).parameters())]
         if empty:
             return f"{', '.join(map(repr, empty))} holds no parameters"
         taken = [

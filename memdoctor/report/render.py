@@ -26,6 +26,7 @@ from memdoctor.analysis.headline import CATEGORY_LABELS, memory_limit
 from memdoctor.analysis.layers import layer_table, top_layers
 from memdoctor.analysis.notes import collector_note
 from memdoctor.analysis.steps import peak_step, timeline_series
+from memdoctor.analysis.summary import shown_events
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
 from memdoctor.report import plots, plots_heatmap
@@ -127,6 +128,11 @@ def atomic_write(path: Path, text: str) -> None:
 # ----------------------------------------------------------------------------------------- context
 
 
+# Rows of the step table and steps of the gradient-norm line a report shows (summary.json has them all).
+STEP_ROWS = 1000
+GRAD_NORM_ROWS = 100
+
+
 def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     """Everything the template reads: the summary plus tables and plots derived from the trace."""
     step = peak_step(trace)
@@ -152,7 +158,10 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "heatmap_missing": layer_time.why_not(trace, step) if heatmap is None else None,
         "grad_chart": plots.grad_norms(grad_norm_chart(trace)),
         "sections": report_sections(trace, summary),
-        "steps": summary["steps"],
+        "steps": [summary["steps"][i] for i in shown_events(len(summary["steps"]), STEP_ROWS)],
+        "steps_left_out": max(0, len(summary["steps"]) - STEP_ROWS),
+        "grad_norm_rows": (summary.get("grad_norm") or [])[:GRAD_NORM_ROWS],
+        "grad_norm_left_out": max(0, len(summary.get("grad_norm") or []) - GRAD_NORM_ROWS),
         "phases": _phase_names(summary),
         "nvtx": nvtx_note.report_note(trace),
         "events": _event_rows(trace, summary),
@@ -231,7 +240,8 @@ def _phase_names(summary: dict[str, Any]) -> list[str]:
 
 def _event_rows(trace: Trace, summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The summary's event rows with each event's traceback from the trace added back."""
-    pairs = zip(summary["events"], trace.events, strict=True)
+    shown = [trace.events[i] for i in shown_events(len(trace.events))]
+    pairs = zip(summary["events"], shown, strict=True)
     return [{**row, "traceback": _traceback(event)} for row, event in pairs]
 
 

@@ -41,6 +41,14 @@ def _dict_of(check: Check) -> Check:
     return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
 
 
+def _timestamp(v: Any) -> bool:
+    """Seconds since 1970, before the year 10000 (what a date can show)."""
+    return _num(v) and v < _YEAR_10000
+
+
+_YEAR_10000 = 253402300800
+
+
 def _signed_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -66,6 +74,7 @@ HEADER = {
     ),
     "not_measured": _list_of(_str),
     "memdoctor_version": _str,
+    "created_unix": _opt(_timestamp),
     "environment": _dict_of(_str),
     "applied_config": lambda v: v is None or isinstance(v, dict),
 }
@@ -80,7 +89,7 @@ EVENT = {
     "module": _opt(_int),
     "module_name": _opt(_str),
     "exit_code": _opt(_signed_int),
-    "t_unix": _opt(_num),
+    "t_unix": _opt(_timestamp),
 }
 END = {
     "status": _str,

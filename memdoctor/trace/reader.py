@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,17 @@ from memdoctor.trace import check as tracecheck
 from memdoctor.trace.records import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_ABS_NUMBER,
+    MAX_DECOMPRESSED_BYTES,
     MAX_RECORD_CHARS,
+    MAX_RECORDS,
     ModelInfo,
     StepRecord,
     Trace,
     collector_from_record,
     event_from_record,
 )
+from memdoctor.trace.stream import GzipLines
 
 
 def read_trace(path: str | os.PathLike[str] | None) -> Trace | None:
@@ -38,7 +41,8 @@ def read_trace(path: str | os.PathLike[str] | None) -> Trace | None:
 
 
 def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
-    """Load and validate a trace.
+    """Load and validate a trace, streaming it (``memdoctor.trace.stream``) within the caps of
+    ``memdoctor.trace.records`` (bytes, record length, records of each type, number size).
 
     With ``salvage=True`` (used by the supervisor on a crashed run's partial file) a truncated or
     corrupt tail is dropped and ``Trace.truncated`` is set; otherwise it is a ``TraceError``.
@@ -46,29 +50,16 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"{p}: no such trace file")
-    lines, truncated = _read_lines(p, salvage)
-    if not lines:
-        raise TraceError(f"{p}: empty trace file (no header record); it is not a complete memdoctor trace")
-    trace: Trace | None = None
-    for n, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("a record must be a JSON object")
-            if trace is None:
-                trace = Trace(header=_check_header(p, rec), path=str(p))
-                tracecheck.check_header(trace.header)
-                continue
-            _add_record(trace, rec)
-        except TraceError:
-            raise
-        except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
-            if salvage and trace is not None:
-                truncated = True
-                break
-            raise TraceError(f"{p}: record {n} is invalid ({_short(exc)}); the trace is corrupt") from None
+    try:
+        with p.open("rb") as fh:
+            lines = GzipLines(fh, str(p), max_bytes=MAX_DECOMPRESSED_BYTES, max_line=MAX_RECORD_CHARS)
+            trace, truncated = _parse(p, lines, salvage)
+    except OSError as exc:
+        raise TraceError(f"{p}: cannot read the trace ({exc.strerror or exc})") from None
+    if lines.truncated and not salvage:
+        raise TraceError(f"{p}: the trace is truncated or corrupt (its compressed data ends mid-record)")
     if trace is None:
-        raise TraceError(f"{p}: no header record; not a memdoctor trace")
+        raise TraceError(f"{p}: empty trace file (no header record); it is not a complete memdoctor trace")
     if trace.end is None and not salvage:
         # Records are whole gzip members, so a cut at a record boundary still decompresses: the
         # missing end record is what tells a truncated (or still running) trace from a finished one.
@@ -80,53 +71,94 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
         tracecheck.check_references(trace)
     except ValueError as exc:
         raise TraceError(f"{p}: {_short(exc)}; the trace is corrupt") from None
-    trace.truncated = truncated
+    trace.truncated = truncated or lines.truncated
     return trace
 
 
-def _read_lines(p: Path, salvage: bool) -> tuple[list[str], bool]:
-    data = p.read_bytes()
-    if data[:2] != b"\x1f\x8b":
-        raise TraceError(f"{p}: not a gzip file; a memdoctor trace is gzip-compressed JSON Lines")
-    text, truncated = _gunzip_members(data)
-    if truncated and not salvage:
-        raise TraceError(f"{p}: the trace is truncated or corrupt (its compressed data ends mid-record)")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    elif lines:  # last line without newline: an incomplete record
-        if not salvage:
-            raise TraceError(f"{p}: the trace is truncated (its last record is incomplete)")
-        lines.pop()
-        truncated = True
+def _parse(p: Path, lines: GzipLines, salvage: bool) -> tuple[Trace | None, bool]:
+    """The trace its lines hold, and whether a bad record cut it short (only with ``salvage``)."""
+    trace: Trace | None = None
+    counts: dict[str, int] = {}
     for n, line in enumerate(lines, 1):
-        if len(line) > MAX_RECORD_CHARS:
-            raise TraceError(f"{p}: record {n} is larger than {MAX_RECORD_CHARS} characters")
-    return lines, truncated
-
-
-def _gunzip_members(data: bytes) -> tuple[str, bool]:
-    """Decompress concatenated gzip members; report whether the tail was cut or corrupt."""
-    out: list[bytes] = []
-    pos, total = 0, 0
-    while pos < len(data):
-        d = zlib.decompressobj(wbits=31)
         try:
-            chunk = d.decompress(data[pos:], MAX_RECORD_CHARS * 4)
-        except zlib.error:
-            return _decode(out), True
-        total += len(chunk)
-        if total > MAX_RECORD_CHARS * 16:
-            raise TraceError("trace decompresses to more than 1 GiB; refusing to load it")
-        if not d.eof:
-            return _decode(out), True
-        out.append(chunk)
-        pos = len(data) - len(d.unused_data)
-    return _decode(out), False
+            rec = _json(line)
+            if trace is None:
+                trace = Trace(header=_check_header(p, rec), path=str(p))
+                tracecheck.check_header(trace.header)
+                continue
+            _count(p, counts, rec.get("type"))
+            _add_record(trace, rec)
+        except TraceError:
+            raise
+        except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+            if salvage and trace is not None:
+                return trace, True
+            raise TraceError(f"{p}: record {n} is invalid ({_short(exc)}); the trace is corrupt") from None
+    return trace, False
 
 
-def _decode(chunks: list[bytes]) -> str:
-    return b"".join(chunks).decode("utf-8", errors="replace")
+# A line that may hold a number past MAX_ABS_NUMBER (a run of 41 digits, or an exponent of two digits or
+# more) is parsed with the slower per-number checking hooks; others, nearly all, without. The test
+# maps each byte to its shape (digit "0", exponent "e", "+", other " ") and searches: both in C, linear.
+def _shape_table() -> bytes:
+    table = bytearray(b" " * 256)
+    for c in b"0123456789":
+        table[c] = ord("0")
+    table[ord("e")] = table[ord("E")] = ord("e")
+    table[ord("+")] = ord("+")
+    return bytes(table)
+
+
+_SHAPE = _shape_table()
+_BIG_SHAPES = (b"0" * 41, b"e00", b"e+00")
+
+
+def _may_be_big(line: bytes) -> bool:
+    shape = line.translate(_SHAPE)
+    return any(s in shape for s in _BIG_SHAPES)
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 40:
+        raise ValueError(f"a number of {len(text)} digits (numbers past {MAX_ABS_NUMBER:g} are refused)")
+    return _bounded(int(text))
+
+
+def _bounded_float(text: str) -> float:
+    return _bounded(float(text))
+
+
+def _bounded(value: Any) -> Any:
+    if not abs(value) <= MAX_ABS_NUMBER:
+        raise ValueError(f"a number past {MAX_ABS_NUMBER:g}")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number a trace may hold")
+
+
+_PLAIN = json.JSONDecoder(parse_constant=_no_constant)
+_CHECKED = json.JSONDecoder(parse_int=_bounded_int, parse_float=_bounded_float, parse_constant=_no_constant)
+
+
+def _json(line: bytes) -> dict[str, Any]:
+    if not line:
+        raise ValueError("an empty line")
+    decoder = _CHECKED if _may_be_big(line) else _PLAIN
+    rec = decoder.decode(line.decode("utf-8", errors="replace"))
+    if not isinstance(rec, dict):
+        raise ValueError("a record must be a JSON object")
+    return rec
+
+
+def _count(p: Path, counts: dict[str, int], kind: Any) -> None:
+    """Count a record against its type's cap (``MAX_RECORDS``); past it, a ``TraceError`` naming it."""
+    key = kind if isinstance(kind, str) and kind in MAX_RECORDS else "other"
+    counts[key] = counts.get(key, 0) + 1
+    if counts[key] > MAX_RECORDS[key]:
+        what = f"{key} records" if key != "other" else "records of unknown types"
+        raise TraceError(f"{p}: the trace holds more than the cap of {MAX_RECORDS[key]} {what}; refusing it")
 
 
 def _check_header(p: Path, rec: dict[str, Any]) -> dict[str, Any]:

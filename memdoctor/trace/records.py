@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from memdoctor.units import MAX_NAME_CHARS
+
 FORMAT_NAME = "memdoctor-trace"
 FORMAT_VERSION = 1
 TRACE_FILENAME = "trace.jsonl.gz"
@@ -26,9 +28,22 @@ PARTIAL_SUFFIX = ".partial"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 PHASES = ("forward", "backward", "optimizer", "other")
 
-# Limits a loader enforces so that a crafted trace cannot exhaust memory or time.
-MAX_RECORD_CHARS = 64 * 1024 * 1024
-MAX_NAME_CHARS = 4096
+# Limits a loader enforces so that a crafted trace cannot exhaust memory or time (docs/trace-format.md).
+# Capture keeps within them: a longer module name is cut the same way everywhere (``fit_name``).
+MAX_RECORD_CHARS = 64 * 1024 * 1024  # one record (line), in bytes of JSON
+MAX_MESSAGE_CHARS = MAX_NAME_CHARS * 4  # an event's or the end's message, as written and as read
+MAX_DECOMPRESSED_BYTES = 1024**3  # the whole trace, decompressed
+MAX_ABS_NUMBER = 1e40  # any number in any record: past this, figures overflow when summed or scaled
+# Records of each type a trace may hold; "other" counts the unknown types of newer minor versions.
+MAX_RECORDS = {
+    "header": 1,
+    "model": 1_000,
+    "step": 1_000_000,
+    "event": 1_000_000,
+    "collector": 10_000,
+    "end": 100,
+    "other": 100_000,
+}
 
 
 @dataclass
@@ -233,7 +248,7 @@ def make_end(
         "status": status,
         "exit_code": exit_code,
         "signal": signal,
-        "message": message,
+        "message": message[:MAX_MESSAGE_CHARS],  # what a reader keeps of it
         "steps_recorded": steps_recorded,
         "duration_s": round(duration_s, 3),
         "memdoctor_exit_code": memdoctor_exit_code,
@@ -255,7 +270,7 @@ def event_record(
     return {
         "type": "event",
         "kind": kind,
-        "message": message,
+        "message": message[:MAX_MESSAGE_CHARS],  # what a reader keeps of it
         "t_unix": time.time(),
         **(where or {}),
         **fields,
@@ -266,7 +281,7 @@ def event_from_record(rec: dict[str, Any]) -> dict[str, Any]:
     """An event as ``Trace.events`` holds it: without its ``type``, its kind and message bounded."""
     ev = {k: v for k, v in rec.items() if k != "type"}
     ev["kind"] = _name(ev.get("kind", "note"))
-    ev["message"] = str(ev.get("message", ""))[: MAX_NAME_CHARS * 4]
+    ev["message"] = str(ev.get("message", ""))[:MAX_MESSAGE_CHARS]
     return ev
 
 
@@ -298,9 +313,18 @@ def _list_of(value: Any, key: str) -> list[Any]:
     return value
 
 
+_NUMBER_TYPES = frozenset((int, float, type(None)))
+
+
 def _numbers(value: Any, key: str) -> list[Any]:
+    """A column of numbers >= 0 and None. Checked a column at a time (its types as a set, its minimum
+    and its sum, all in C): a trace of 100,000 steps holds tens of millions of them."""
     items = _list_of(value, key)
-    for x in items:
+    if set(map(type, items)) <= _NUMBER_TYPES:  # no bool, str, list ...
+        nums = [x for x in items if x is not None]
+        if not nums or (min(nums) >= 0 and math.isfinite(sum(nums))):
+            return items
+    for x in items:  # find the offending value, for the message
         if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
             raise ValueError(f"{key} must hold numbers")
         if isinstance(x, (int, float)) and (not math.isfinite(x) or x < 0):

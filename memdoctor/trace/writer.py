@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from memdoctor.trace.records import Trace
+from memdoctor.trace.redact import redact_record
 
 
 class TraceWriter:
@@ -45,6 +46,7 @@ class TraceWriter:
             return
         if self._fh is None:
             raise ValueError("trace writer is closed")
+        record = redact_record(record)  # secrets never reach the file (memdoctor.trace.redact)
         line = json.dumps(
             record, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default
         )
