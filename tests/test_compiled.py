@@ -68,3 +68,27 @@ def test_the_scripts_own_graph_break_is_counted_and_reported(tmp_path: Path) -> 
     assert record["graph_breaks"] >= 1 and record["graphs"] >= 2
     text = summary["compiled"]["text"]
     assert "graph break(s)" in text and "slower" in text
+
+
+def test_a_compiled_optimizer_step_breaks_once_at_memdoctors_hook_and_says_so(tmp_path: Path) -> None:
+    """The optimizer-step hooks must run to find steps: called from a compiled ``optimizer.step()``
+    they run eagerly (one deliberate break each call site), counted as memdoctor's."""
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager")
+    def step() -> None:  # a compiled training-step function that steps the optimizer
+        opt.step()
+
+    with memdoctor.profile(tmp_path / "o", steps=2, warmup=1, collect="none") as prof:
+        for _ in range(4):
+            model(torch.randn(4, 8)).sum().backward()
+            step()
+            opt.zero_grad()
+    assert prof.summary_path is not None
+    summary = json.loads(prof.summary_path.read_text())
+    assert summary["steps_profiled"] == 2  # steps were found through the compiled step
+    c = summary["compiled"]
+    assert c["memdoctor_breaks"] >= 1 and "memdoctor's optimizer-step hooks" in c["text"]

@@ -74,3 +74,11 @@ def test_malformed_reasons_are_dropped_not_fatal() -> None:
     rec = _record(graph_breaks=1, break_reasons=reasons)
     c = compile_figures(_with(rec))
     assert c is not None and c["break_reasons"] == [{"reason": "ok", "count": 1}]
+
+
+def test_breaks_at_memdoctors_optimizer_hooks_are_named_as_memdoctors() -> None:
+    reasons = [{"reason": "Skip calling `torch.compiler.disable()`d function", "count": 2}]
+    c = compile_figures(_with(_record(graph_breaks=3, memdoctor_breaks=2, break_reasons=reasons)))
+    assert c is not None and c["memdoctor_breaks"] == 2
+    assert "2 of them at memdoctor's optimizer-step hooks" in c["text"]
+    assert "none from memdoctor's hooks" not in c["text"]

@@ -38,7 +38,12 @@ def compile_figures(trace: Trace) -> dict[str, Any] | None:
     counts = {k: _count(data.get(k)) for k in COUNTS}
     if any(v is None for v in counts.values()):
         return None
-    out: dict[str, Any] = {**counts, "break_reasons": _reasons(data.get("break_reasons"))}
+    ours = _count(data.get("memdoctor_breaks")) or 0  # optional: absent in the first traces with it
+    out: dict[str, Any] = {
+        **counts,
+        "memdoctor_breaks": min(ours, counts["graph_breaks"] or 0),
+        "break_reasons": _reasons(data.get("break_reasons")),
+    }
     out["text"] = compile_text(out)
     return out
 
@@ -61,11 +66,18 @@ def compile_text(c: dict[str, Any]) -> str:
         return f"the model ran compiled (torch.compile, {graphs} graph(s), no graph break); {where}"
     top = c["break_reasons"][0]["reason"] if c["break_reasons"] else "unknown"
     fell_back = f"; {eager} frame(s) ran wholly eager" if eager else ""
+    ours = c["memdoctor_breaks"]
+    whose = (
+        f"{ours} of them at memdoctor's optimizer-step hooks, which a compiled optimizer.step() calls and "
+        "which run eagerly so that steps are found; the rest the script's or torch's"
+        if ours
+        else "none from memdoctor's hooks"
+    )
+    without = "" if ours else ", as they are without memdoctor"
     return (
-        f"the model ran compiled with {breaks} graph break(s) ({graphs} graph(s){fell_back}; none from "
-        f"memdoctor's hooks; most frequent: {top}): the code at each break runs in eager PyTorch between "
-        f"compiled graphs, so steps are slower than one whole graph would be, as they are without "
-        f"memdoctor; {where}"
+        f"the model ran compiled with {breaks} graph break(s) ({graphs} graph(s){fell_back}; {whose}; "
+        f"most frequent: {top}): the code at each break runs in eager PyTorch between compiled graphs, so "
+        f"steps are slower than one whole graph would be{without}; {where}"
     )
 
 

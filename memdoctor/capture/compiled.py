@@ -26,8 +26,23 @@ import torch
 # torch >= 2.3 has torch.compiler.is_compiling (public); older torch had no dynamo-aware check here.
 compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
+# The hooks ``outside_compiled`` wraps, as dynamo's graph-break message names them: breaks at them are
+# memdoctor's own (``memdoctor_breaks``).
+MEMDOCTOR_HOOKS = ("OptimizerSteps.pre", "OptimizerSteps.post")
 MAX_REASONS = 5  # distinct graph-break reasons kept, the most frequent first
 MAX_REASON_CHARS = 200  # of each reason: its first line
+
+
+def outside_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly even when called from compiled code (``torch.compiler.disable``, torch >= 2.1).
+
+    For hooks that must run to find steps at all, the optimizer-step hooks: a script that compiles its
+    ``optimizer.step()`` calls them from compiled code. Tracing them would break the graph at their
+    first trace write anyway (and run their bookkeeping at trace time only); disabled, dynamo breaks
+    the graph once at the call, by design, and the break is counted as memdoctor's
+    (``MEMDOCTOR_HOOKS``)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def compiled_inner(module: Any) -> Any:
@@ -89,11 +104,13 @@ class CompileWatch:
         frames = max(0, now["frames"] - self.base["frames"])
         frames_ok = max(0, now["frames_ok"] - self.base["frames_ok"])
         breaks: dict[str, int] = {}
+        ours = 0
         for reason, n in now["breaks"].items():
             delta = n - self.base["breaks"].get(reason, 0)
             if delta > 0:
                 key = _first_line(reason)
                 breaks[key] = breaks.get(key, 0) + delta
+                ours += delta if any(h in reason for h in MEMDOCTOR_HOOKS) else 0
         if not graphs and not frames and not breaks:
             return None
         top = sorted(breaks.items(), key=lambda kv: -kv[1])[:MAX_REASONS]
@@ -102,6 +119,7 @@ class CompileWatch:
             "frames": frames,
             "frames_compiled": frames_ok,
             "graph_breaks": sum(breaks.values()),
+            "memdoctor_breaks": ours,
             "break_reasons": [{"reason": r, "count": n} for r, n in top],
         }
 
