@@ -46,6 +46,7 @@ FAST_FILES = frozenset(
         "test_cli.py",
         "test_collectors.py",
         "test_compare.py",
+        "test_compiled_summary.py",
         "test_config.py",
         "test_script_knobs.py",
         "test_device_stats.py",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from memdoctor.analysis import data, devicefacts, flops, histograms, precision, transfers, verified
+from memdoctor.analysis import compiled, data, devicefacts, flops, histograms, precision, transfers, verified
 from memdoctor.analysis.faults import event_row, fault_info, live_at_fault
 from memdoctor.analysis.gradnorms import grad_flags, grad_norm_series
 from memdoctor.analysis.layers import ACCOUNTED, module_label, outside_holders, summary_layers
@@ -34,7 +34,16 @@ SUMMARY_FORMAT_VERSION = 1
 EVENT_ROWS = 1000
 # The collectors' modules that add ``summary.json`` keys, in order: each has ``summarize(trace,
 # summary)``, which adds its keys (null where the trace did not measure them).
-SECTIONS: tuple[ModuleType, ...] = (devicefacts, flops, data, transfers, histograms, precision, verified)
+SECTIONS: tuple[ModuleType, ...] = (
+    devicefacts,
+    flops,
+    data,
+    transfers,
+    histograms,
+    precision,
+    verified,
+    compiled,
+)
 
 
 def summary_figures(trace: Trace) -> dict[str, Any]:

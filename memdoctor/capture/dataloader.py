@@ -40,6 +40,7 @@ import torch
 from memdoctor import patching
 from memdoctor.capture.batchtraits import BatchTraits, batch_traits, call_traits
 from memdoctor.capture.collectors import Collector
+from memdoctor.capture.compiled import compiling
 from memdoctor.capture.loopshape import LoopFacts, batch_dim, batch_size_of
 from memdoctor.device import Device
 
@@ -262,8 +263,9 @@ class DataCollector(Collector):
             self._hooks.append(root.register_forward_hook(self._forward_post))
 
     def _forward_post(self, module: nn.Module, args: Any, out: Any) -> None:
-        """Where the trained model's loss is, from its first training forward (``LoopFacts``)."""
-        if self._active:
+        """Where the trained model's loss is, from its first training forward (``LoopFacts``). Not
+        inside torch.compile'd code (``memdoctor.capture.compiled``): it writes a trace record."""
+        if self._active and not compiling():
             self._safely(self._loop.forward_output, module, out)
 
     def _forward_pre(
@@ -272,8 +274,8 @@ class DataCollector(Collector):
         """Fallback for scripts without a DataLoader: the traits of what the model is called with.
         Launches at most one row sum on the device; nothing is read back here. (``kwargs`` defaults:
         torch calls a hook removed during the same call, by the session stopping, without them.)"""
-        if self._loader_tensors or not self._active or not torch.is_grad_enabled():
-            return
+        if self._loader_tensors or not self._active or not torch.is_grad_enabled() or compiling():
+            return  # compiling: dynamo would trace (and break on) reading the batch's values
         try:
             traits = call_traits(args, kwargs or {}, self._pad_id)
             _batch_axis(traits, (args, kwargs or {}), None)

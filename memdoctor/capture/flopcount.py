@@ -109,6 +109,15 @@ class CountingMode(TorchDispatchMode):
         self.active = True
         self.error: str | None = None  # why counting stopped early, if it did
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: torch.compile'd code compiles and runs compiled while this mode counts (torch >= 2.8
+        asks; older torch never calls it). With the default False, dynamo skips every frame it meets
+        under the mode, and for good: one counted step would leave the model eager for the whole run.
+        The price: ops inside compiled code are seen as the compiled code runs them (fused kernels are
+        not aten ops), so a compiled region's FLOPs may be under-counted (the summary says so)."""
+        return True
+
     # -------------------------------------------------------------------- the forward call stack
     def enter_module(self, key: int) -> None:
         self.resolve()

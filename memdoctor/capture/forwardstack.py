@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from memdoctor.capture.compiled import compiled_inner, compiling
 from memdoctor.capture.sessionhooks import (
     NO_PTRS,
     Frame,
@@ -44,6 +45,9 @@ class ForwardStack:
         self.auto_depth = time_depth is None
         self.timed_calls_budget = timed_calls_budget
         self.calls_at_depth: dict[int, int] = {}
+        # Calls of a torch.compile'd root's own module that ran eagerly (dynamo fell back) inside its
+        # wrapper's frame, which stands for it (``compiled_inner``): skipped, not counted twice.
+        self.swallowed = 0
 
     def first_step_done(self, forwards: int) -> None:
         """Pick the timing depth from the first step's module calls (when it was left to us), per
@@ -54,11 +58,18 @@ class ForwardStack:
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         # Hot path: runs for every module call. Deep (untimed) modules only keep the stack for the
-        # saved-tensor attribution.
+        # saved-tensor attribution. Inside torch.compile'd code dynamo folds compiling() to True and
+        # traces nothing of this (memdoctor.capture.compiled): the region is its caller's one call.
+        if compiling():
+            return
         s, stack = self.session, self.frames
         calls = s._calls
         depth = len(stack)
+        if depth == 1 and stack[0].key == id(module):
+            self.swallowed += 1  # the compiled root's own call, run eagerly: its wrapper's frame has it
+            return
         if depth == 0:
+            module = compiled_inner(module)
             if not torch.is_grad_enabled():
                 stack.append(Frame(id(module), -1, 0, NO_PTRS, active=False))
                 return
@@ -93,14 +104,22 @@ class ForwardStack:
         s._sample("fwd_pre", id(module), depth)
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if compiling():  # as in pre: no bookkeeping traced into compiled code
+            return
+        stack = self.frames
+        key = id(module)
+        if self.swallowed and stack and stack[-1].key == key:
+            self.swallowed -= 1
+            return
+        if len(stack) == 1 and stack[0].key != key:
+            key = id(compiled_inner(module))  # torch.compile's wrapper: its frame is its module's
         if output is None:
             exc = sys.exc_info()[0]
             if exc is not None:  # the forward raised: torch calls always_call hooks with None
-                self._unwound(module, exc)
+                self._unwound(module, key, exc)
                 return
-        s, stack = self.session, self.frames
+        s = self.session
         calls = s._calls
-        key = id(module)
         frame = stack.pop() if stack and stack[-1].key == key else self._pop_frame(key)
         if frame is None or not frame.active:
             if frame is not None and frame.recompute and calls.modules:
@@ -129,10 +148,9 @@ class ForwardStack:
             # The forward's kernels are queued: building the last step's record now overlaps them.
             s._emit_ready(wait=False)
 
-    def _unwound(self, module: nn.Module, exc: type[BaseException]) -> None:
+    def _unwound(self, module: nn.Module, key: int, exc: type[BaseException]) -> None:
         """An exception escaped ``module``'s forward: pop its frame, and remember the innermost such
         module as where the script was (not for checkpointing's own early stop of a recomputation)."""
-        key = id(module)
         if self.fault_at is None and "StopRecomputation" not in exc.__name__:
             self.fault_at = key
         frame = self._pop_frame(key)

@@ -14,6 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.capture import gradnorms, gradscaler
+from memdoctor.capture.compiled import outside_compiled
 from memdoctor.capture.cycle import OptimizerCycle
 
 if TYPE_CHECKING:
@@ -32,8 +33,9 @@ class OptimizerSteps:
 
     def install(self) -> None:
         self.handles = [
-            register_optimizer_step_pre_hook(self.pre),
-            register_optimizer_step_post_hook(self.post),
+            # Run eagerly from a compiled optimizer.step() (memdoctor.capture.compiled).
+            register_optimizer_step_pre_hook(outside_compiled(self.pre)),
+            register_optimizer_step_post_hook(outside_compiled(self.post)),
         ]
         self.scaler.install()
 

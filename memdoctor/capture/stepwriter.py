@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from memdoctor.capture import gradscaler
+from memdoctor.capture.compiled import CompileWatch
 from memdoctor.capture.stepbuild import StepData, build_step
 from memdoctor.trace import StepRecord
 
@@ -24,6 +25,7 @@ class StepWriter:
         self.session = session
         self.pending: list[tuple[StepData, int, bool]] = []  # (step, samples it has, complete)
         self.records: list[StepRecord] = []
+        self.compiled = CompileWatch()  # what torch.compile did while the session ran
 
     def provisional(self, data: StepData) -> None:
         """Write the step now, marked complete; if a second optimizer steps before the next forward,
@@ -68,6 +70,7 @@ class StepWriter:
         )
         self.records.append(rec)
         s.sink(self.step_record(rec, data))
+        self.compiled.update(s.emit)
         return rec
 
     def step_record(self, rec: StepRecord, data: StepData) -> dict[str, Any]:

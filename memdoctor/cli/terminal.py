@@ -69,6 +69,9 @@ def _summary_rows(summary: dict[str, Any], status: str | None, message: str | No
     precision = summary.get("script_precision") or {}
     if precision.get("text"):
         rows.append(("precision", escape(f"the script {precision['text']}")))
+    compiled = summary.get("compiled") or {}
+    if compiled.get("text"):
+        rows.append(("compiled", escape(str(compiled["text"]))))
     status_text = status or summary.get("status") or "unknown"
     rows.append(("status", escape(f"{status_text}: {message}" if message else status_text)))
     if summary.get("headline"):

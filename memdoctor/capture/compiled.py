@@ -1,0 +1,135 @@
+"""``torch.compile`` under memdoctor: keep out of compiled code, and say what the compiler did.
+
+memdoctor's module hooks (the module stack, the data collector's forward hooks) are Python bookkeeping.
+Dynamo inlines a compiled module's hooks into what it traces, so a hook that appends to a list, writes
+a trace line or reads a tensor's values would either break the graph (dynamo then runs the whole frame
+eagerly: the issue-19 attack measured an 18x slower step) or, worse, run once at trace time only. Each
+such hook therefore starts with ``compiling()`` (``torch.compiler.is_compiling``, which dynamo folds to
+a constant): inside a compiled region the hook is traced away to nothing, no break and no cost, and the
+compiled region counts as one call of the module that called it (saved tensors are still seen: the
+compiled forward saves them through autograd like any other).
+
+``CompileWatch`` records what dynamo compiled while the session ran: the graphs it made and the graph
+breaks it met (the script's own, or torch's), from dynamo's counters. Those counters are private
+(``torch._dynamo.utils.counters``), so they are read only when dynamo is already imported and have the
+expected shape; otherwise nothing is recorded. dynamo is never imported here: that takes seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+# torch >= 2.3 has torch.compiler.is_compiling (public); older torch had no dynamo-aware check here.
+compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+# The hooks ``outside_compiled`` wraps, as dynamo's graph-break message names them: breaks at them are
+# memdoctor's own (``memdoctor_breaks``).
+MEMDOCTOR_HOOKS = ("OptimizerSteps.pre", "OptimizerSteps.post")
+MAX_REASONS = 5  # distinct graph-break reasons kept, the most frequent first
+MAX_REASON_CHARS = 200  # of each reason: its first line
+
+
+def outside_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly even when called from compiled code (``torch.compiler.disable``, torch >= 2.1).
+
+    For hooks that must run to find steps at all, the optimizer-step hooks: a script that compiles its
+    ``optimizer.step()`` calls them from compiled code. Tracing them would break the graph at their
+    first trace write anyway (and run their bookkeeping at trace time only); disabled, dynamo breaks
+    the graph once at the call, by design, and the break is counted as memdoctor's
+    (``MEMDOCTOR_HOOKS``)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+def compiled_inner(module: Any) -> Any:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) compiles, else ``module``.
+    The wrapper's call is the root call memdoctor's hooks see outside the compiled code; it stands for
+    its module, so what the compiled forward saves is that model's, not the training loop's."""
+    if type(module).__name__ != "OptimizedModule":
+        return module
+    inner = getattr(module, "_modules", {}).get("_orig_mod")
+    return inner if inner is not None else module
+
+
+def dynamo_counters() -> Mapping[str, Any] | None:
+    """dynamo's event counters when dynamo is loaded (``torch._dynamo.utils.counters``, private: a
+    mapping of counter groups), else None."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    return counters if isinstance(counters, Mapping) else None
+
+
+def _group(counters: Mapping[str, Any], name: str) -> dict[str, int]:
+    group = counters.get(name)
+    if not isinstance(group, Mapping):
+        return {}
+    return {str(k): v for k, v in group.items() if isinstance(v, int)}
+
+
+def read_counts() -> dict[str, Any]:
+    """Graphs compiled, frames dynamo saw and compiled, graph breaks by reason: totals since start-up."""
+    counters = dynamo_counters()
+    if counters is None:
+        return {"graphs": 0, "frames": 0, "frames_ok": 0, "breaks": {}}
+    frames = _group(counters, "frames")
+    return {
+        "graphs": _group(counters, "stats").get("unique_graphs", 0),
+        "frames": frames.get("total", 0),
+        "frames_ok": frames.get("ok", 0),
+        "breaks": _group(counters, "graph_break"),
+    }
+
+
+def _first_line(reason: str) -> str:
+    line = reason.strip().splitlines()[0] if reason.strip() else "unknown"
+    return line[:MAX_REASON_CHARS]
+
+
+class CompileWatch:
+    """What dynamo did since the session started; ``update`` emits the ``compile`` collector record
+    when that changed (after each step record, so a run that dies keeps what was known)."""
+
+    def __init__(self) -> None:
+        self.base = read_counts()
+        self.last: dict[str, Any] | None = None
+
+    def field(self) -> dict[str, Any] | None:
+        """The ``compile`` record's data, or None while dynamo compiled nothing in this session."""
+        now = read_counts()
+        graphs = max(0, now["graphs"] - self.base["graphs"])
+        frames = max(0, now["frames"] - self.base["frames"])
+        frames_ok = max(0, now["frames_ok"] - self.base["frames_ok"])
+        breaks: dict[str, int] = {}
+        ours = 0
+        for reason, n in now["breaks"].items():
+            delta = n - self.base["breaks"].get(reason, 0)
+            if delta > 0:
+                key = _first_line(reason)
+                breaks[key] = breaks.get(key, 0) + delta
+                ours += delta if any(h in reason for h in MEMDOCTOR_HOOKS) else 0
+        if not graphs and not frames and not breaks:
+            return None
+        top = sorted(breaks.items(), key=lambda kv: -kv[1])[:MAX_REASONS]
+        return {
+            "graphs": graphs,
+            "frames": frames,
+            "frames_compiled": frames_ok,
+            "graph_breaks": sum(breaks.values()),
+            "memdoctor_breaks": ours,
+            "break_reasons": [{"reason": r, "count": n} for r, n in top],
+        }
+
+    def update(self, emit: Callable[[str, dict[str, Any]], None]) -> None:
+        """Emit the ``compile`` record if it changed since the last one. Never raises: a torch whose
+        counters look different leaves the record out."""
+        try:
+            data = self.field()
+        except Exception:  # private counters of another torch: record nothing
+            return
+        if data is not None and data != self.last:
+            self.last = data
+            emit("compile", data)

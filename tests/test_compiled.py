@@ -1,0 +1,94 @@
+"""Profiling a ``torch.compile``d model (issue 19, point 7): memdoctor's own hooks break no graph, the
+model runs compiled, and the trace and summary say what dynamo did, graph breaks of the script's own
+included. In process (``memdoctor.profile``), with dynamo's ``eager`` backend (no C compiler needed);
+slow only for dynamo's first import and tracing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memdoctor
+from memdoctor.trace import load_trace
+
+dynamo = pytest.importorskip("torch._dynamo")
+pytestmark = pytest.mark.slow
+
+
+class Breaking(nn.Module):
+    """Two linears with a graph break of the script's own between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _run(tmp_path: Path, model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Profile 2 steps (1 warm-up) of ``model`` compiled, called with plain tensors (no DataLoader:
+    the data collector's forward hooks run, the graph break of issue 19). Returns the trace's
+    ``compile`` record and the summary."""
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memdoctor.profile(tmp_path / "o", steps=2, warmup=1, collect="all") as prof:
+        for _ in range(4):
+            compiled(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert prof.trace_path is not None and prof.summary_path is not None
+    record = load_trace(prof.trace_path).collected["compile"]
+    return record, json.loads(prof.summary_path.read_text())
+
+
+def test_memdoctor_breaks_no_graph_and_the_model_runs_compiled(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    record, summary = _run(tmp_path, model)
+    assert dict(dynamo.utils.counters["graph_break"]) == {}
+    assert record["graphs"] >= 1 and record["graph_breaks"] == 0
+    assert record["frames"] == record["frames_compiled"]  # no frame fell back to eager
+    assert "ran compiled" in summary["compiled"]["text"]
+    # The compiled region is the model's one call: what it saves is the model's, not the loop's.
+    root = next(r for r in summary["layers"] if r["depth"] == 0)
+    assert root["activation_bytes"] > 0
+
+
+def test_the_scripts_own_graph_break_is_counted_and_reported(tmp_path: Path) -> None:
+    record, summary = _run(tmp_path, Breaking())
+    assert record["graph_breaks"] >= 1 and record["graphs"] >= 2
+    text = summary["compiled"]["text"]
+    assert "graph break(s)" in text and "slower" in text
+
+
+def test_a_compiled_optimizer_step_breaks_once_at_memdoctors_hook_and_says_so(tmp_path: Path) -> None:
+    """The optimizer-step hooks must run to find steps: called from a compiled ``optimizer.step()``
+    they run eagerly (one deliberate break each call site), counted as memdoctor's."""
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager")
+    def step() -> None:  # a compiled training-step function that steps the optimizer
+        opt.step()
+
+    with memdoctor.profile(tmp_path / "o", steps=2, warmup=1, collect="none") as prof:
+        for _ in range(4):
+            model(torch.randn(4, 8)).sum().backward()
+            step()
+            opt.zero_grad()
+    assert prof.summary_path is not None
+    summary = json.loads(prof.summary_path.read_text())
+    assert summary["steps_profiled"] == 2  # steps were found through the compiled step
+    c = summary["compiled"]
+    assert c["memdoctor_breaks"] >= 1 and "memdoctor's optimizer-step hooks" in c["text"]
