@@ -161,19 +161,34 @@ def vanishing_flags(trace: Trace) -> list[dict[str, Any]]:
 def _vanishing_in(
     trace: Trace, info: ModelInfo, stacks: list[list[int]], step: StepRecord
 ) -> list[dict[str, Any]]:
-    norms = inclusive_grad_norms(info, module_columns(info, step))
+    norms = inclusive_grad_norms(info, _grad_columns(info, step))
     out = []
     for blocks in stacks:
         for k, i in enumerate(blocks):
+            value = norms[i]
+            if value is None:
+                continue
             near = blocks[max(0, k - VANISHING_NEIGHBOURS) : k] + blocks[k + 1 : k + 1 + VANISHING_NEIGHBOURS]
             values = [v for v in (norms[j] for j in near) if v is not None]
-            value = norms[i]
-            if value is None or not values or value * VANISHING_RATIO > statistics.median(values):
+            med = statistics.median(values) if values else None
+            if med is None or value * VANISHING_RATIO > med:
                 continue
-            med, name = statistics.median(values), module_label(trace, info.index, i)
+            name = module_label(trace, info.index, i)
             ratio = f"{med / value:.3g}x" if value > 0 else "infinitely"
             text = f"gradient norm {value:.3g}, {ratio} below the median of its neighbours ({med:.3g})"
             out.append(_grad_flag("vanishing", name, step.step, text))
+    return out
+
+
+def _grad_columns(info: ModelInfo, step: StepRecord) -> dict[str, list[Any]]:
+    """The step's ``grad_norm`` and ``grad_nonfinite`` columns for this model, padded with ``None``
+    where missing or short (``module_columns`` of only the two columns a finding reads, once a step)."""
+    n = len(info.names)
+    cols = step.modules.get(info.index) or {}
+    out = {}
+    for key in ("grad_norm", "grad_nonfinite"):
+        col = cols.get(key)
+        out[key] = col if col is not None and len(col) == n else (list(col or []) + [None] * n)[:n]
     return out
 
 

@@ -52,12 +52,12 @@ def report_command(ns: argparse.Namespace) -> int:
         say(out.note)
     from memdoctor.launch.saving import Saved, failure_line, write_report_files
 
-    saved = write_report_files(Saved(kept=path), trace, out.path)
+    summary = build_summary(trace)  # once: for the files and for the terminal
+    saved = write_report_files(Saved(kept=path), trace, out.path, summary)
     if saved.failed:  # one line: what could not be written and why, what was, and that the trace is intact
         steps = sum(1 for s in trace.steps if s.complete)
         raise OutputError(f"{out.path}: {failure_line(saved, steps)}")
     written = saved.paths
-    summary = build_summary(trace)
     print_summary(summary, trace, status=summary.get("status"), message=(trace.end or {}).get("message"))
     print_written(list(written.values()))
     return exitcodes.OK

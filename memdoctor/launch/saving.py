@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from memdoctor.config.file import CONFIG_FILENAME
 from memdoctor.errors import OutputError
@@ -45,7 +46,9 @@ def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
     return saved
 
 
-def write_report_files(saved: Saved, trace: Trace, out_dir: Path) -> Saved:
+def write_report_files(
+    saved: Saved, trace: Trace, out_dir: Path, summary: dict[str, Any] | None = None
+) -> Saved:
     """``write_report`` into ``out_dir``, adding to ``saved`` the files written and those that were not
     (summary first, then the report: a full disk can leave one written and not the other)."""
     from memdoctor.report import write_report
@@ -57,7 +60,7 @@ def write_report_files(saved: Saved, trace: Trace, out_dir: Path) -> Saved:
     }
     before = {key: _identity(path) for key, path in targets.items()}
     try:
-        saved.paths.update(write_report(trace, out_dir))
+        saved.paths.update(write_report(trace, out_dir, summary))
     except (OutputError, OSError) as exc:  # write_report words an OSError as an OutputError
         written = {k: p for k, p in targets.items() if _identity(p) not in (None, before[k])}
         saved.paths.update(written)

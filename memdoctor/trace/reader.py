@@ -8,8 +8,11 @@ records fail their checks (``memdoctor.trace.check``).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,25 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
 
 def _parse(p: Path, lines: GzipLines, salvage: bool) -> tuple[Trace | None, bool]:
     """The trace its lines hold, and whether a bad record cut it short (only with ``salvage``)."""
+    with _no_gc():
+        return _parse_records(p, lines, salvage)
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off while records are parsed: parsing allocates millions of
+    containers (acyclic: JSON values) that the collector would otherwise walk again and again as the
+    heap grows; with it on, loading a trace of 100,000 steps costs about twice the time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _parse_records(p: Path, lines: GzipLines, salvage: bool) -> tuple[Trace | None, bool]:
     trace: Trace | None = None
     counts: dict[str, int] = {}
     for n, line in enumerate(lines, 1):
