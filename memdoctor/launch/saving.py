@@ -20,7 +20,7 @@ from memdoctor.errors import OutputError
 from memdoctor.outputs import display_path
 from memdoctor.report.render import REPORT_FILENAME
 from memdoctor.report.summary import SUMMARY_FILENAME
-from memdoctor.trace import TRACE_FILENAME, Trace, save_trace
+from memdoctor.trace import TRACE_FILENAME, Trace, paused_gc, save_trace
 
 
 @dataclass
@@ -42,7 +42,8 @@ def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
         return _report_not_tried(saved, out_dir, "the trace was not saved")
     saved.paths["trace"] = saved.kept = trace_path
     partial.unlink(missing_ok=True)
-    write_report_files(saved, trace, out_dir)
+    with paused_gc():  # a long run's trace is millions of objects: see paused_gc
+        write_report_files(saved, trace, out_dir)
     return saved
 
 

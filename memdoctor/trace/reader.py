@@ -80,15 +80,17 @@ def load_trace(path: str | os.PathLike[str], *, salvage: bool = False) -> Trace:
 
 def _parse(p: Path, lines: GzipLines, salvage: bool) -> tuple[Trace | None, bool]:
     """The trace its lines hold, and whether a bad record cut it short (only with ``salvage``)."""
-    with _no_gc():
+    with paused_gc():
         return _parse_records(p, lines, salvage)
 
 
 @contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic garbage collector off while records are parsed: parsing allocates millions of
-    containers (acyclic: JSON values) that the collector would otherwise walk again and again as the
-    heap grows; with it on, loading a trace of 100,000 steps costs about twice the time."""
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a while: while records are parsed, and while a command
+    summarises and renders a loaded trace. A trace of 100,000 steps is millions of containers (acyclic:
+    JSON values), which the collector walks again and again as more are allocated: with it on, loading
+    such a trace takes twice the time, and building its summary's step rows ten times. What is
+    allocated meanwhile is freed by reference counting; cycles (matplotlib's figures) wait for the end."""
     was = gc.isenabled()
     gc.disable()
     try:
