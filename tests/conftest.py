@@ -83,6 +83,7 @@ FAST_FILES = frozenset(
         "test_story_workload.py",
         "test_summary.py",
         "test_trace_limits.py",
+        "test_trace_writer_caps.py",
         "test_transfers.py",
         "test_verify_failures.py",
     }

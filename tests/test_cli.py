@@ -408,7 +408,7 @@ def fake_report(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Fake ``write_report`` and ``build_summary`` (the report layer has its own tests); records out dirs."""
     out_dirs: list[Path] = []
 
-    def write_report(trace: Any, out_dir: Path) -> dict[str, Path]:
+    def write_report(trace: Any, out_dir: Path, summary: Any = None) -> dict[str, Path]:
         out_dirs.append(Path(out_dir))
         written = {name: Path(out_dir) / name for name in ("report.html", "summary.json")}
         for path in written.values():

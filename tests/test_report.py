@@ -14,7 +14,7 @@ import pytest
 from tracebuilder import GiB, TraceBuilder, bert_like, completed_trace, oom_trace
 
 from memdoctor.errors import OutputError
-from memdoctor.report import build_summary, render_report, summary_json, write_report
+from memdoctor.report import build_summary, render, render_report, summary_json, write_report
 from memdoctor.report.render import environment, template_dir
 from memdoctor.trace import Trace
 
@@ -117,6 +117,22 @@ def test_user_strings_are_escaped() -> None:
     assert html.count("<script") == plain.count("<script") == 1
 
 
+def test_the_embedded_summary_keeps_the_rows_the_table_shows_and_counts_the_rest(
+    bert: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary = build_summary(bert)
+    n = len(summary["steps"])
+    assert n >= 4 and len(summary["grad_norm"]) <= 2
+    monkeypatch.setattr(render, "STEP_ROWS", 2)
+    data = embedded(render_report(bert, summary))
+    assert data["steps"] == [summary["steps"][0], summary["steps"][-1]]
+    assert data["grad_norm"] == summary["grad_norm"]  # within the cap: whole
+    assert data["rows_left_out"] == {"steps": n - 2}
+    assert {k: v for k, v in data.items() if k not in ("steps", "rows_left_out")} == {
+        k: v for k, v in summary.items() if k != "steps"
+    }
+
+
 def test_embedded_json_cannot_close_its_script_element() -> None:
     trace = evil_trace()
     html = render_report(trace)
@@ -197,7 +213,12 @@ def test_write_report_writes_both_files_atomically(tmp_path: Path, bert: Trace) 
     text = paths["summary"].read_text()
     assert text == summary_json(build_summary(bert))
     assert json.loads(text) == build_summary(bert)
-    assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
+    # two-space indent, sorted keys; each per-step row on a line of its own
+    data = json.loads(text)
+    assert text.startswith('{\n  "accounted_fraction": ') and '\n  "categories": {\n    "' in text
+    rows = [json.dumps(r, sort_keys=True, separators=(", ", ": ")) for r in data["steps"]]
+    table = ",\n    ".join(rows)
+    assert f'\n  "steps": [\n    {table}\n  ],\n' in text and len(rows) > 1
     assert embedded(paths["report"].read_text()) == json.loads(text)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memdoctor.yaml", "report.html", "summary.json"]
 

@@ -62,11 +62,11 @@ def step_grad_norm(step: StepRecord) -> dict[str, Any] | None:
     return {"global": total, "nonfinite_modules": bad, "first_nonfinite": bad[0] if bad else None}
 
 
-def grad_norm_series(trace: Trace) -> list[dict[str, Any]]:
-    """The global gradient norm per step that measured it (``null``: NaN or Inf)."""
-    return [
-        {"step": s.step, "global": (step_grad_norm(s) or {}).get("global")} for s in grad_norm_steps(trace)
-    ]
+def grad_norm_series(trace: Trace, steps: list[StepRecord] | None = None) -> list[dict[str, Any]]:
+    """The global gradient norm per step that measured it (``null``: NaN or Inf); ``steps``: the
+    trace's ``grad_norm_steps``, when the caller has them (every finding reads them: found once)."""
+    steps = grad_norm_steps(trace) if steps is None else steps
+    return [{"step": s.step, "global": (step_grad_norm(s) or {}).get("global")} for s in steps]
 
 
 def inclusive_grad_norms(info: ModelInfo, cols: dict[str, list[Any]]) -> list[float | None]:
@@ -88,16 +88,18 @@ def inclusive_grad_norms(info: ModelInfo, cols: dict[str, list[Any]]) -> list[fl
 def grad_flags(trace: Trace) -> list[dict[str, Any]]:
     """Every gradient-norm finding, ``{kind, module, step, evidence}``: each kind and module once, at the
     first step it showed in, with how many of the measured steps showed it."""
-    measured = len(grad_norm_steps(trace))
-    return scaler_skip_flags(trace) + [f for rule in GRAD_RULES for f in _once(rule(trace), measured)]
+    steps = grad_norm_steps(trace)
+    return scaler_skip_flags(trace) + [
+        f for rule in GRAD_RULES for f in _once(rule(trace, steps), len(steps))
+    ]
 
 
-def nonfinite_flags(trace: Trace) -> list[dict[str, Any]]:
+def nonfinite_flags(trace: Trace, steps: list[StepRecord] | None = None) -> list[dict[str, Any]]:
     """NaN or Inf gradients. The optimizer step writes them into the weights, and the loss turns NaN from
     then on. The module named is the first whose gradient was non-finite in backward order, where the
     NaN or Inf appeared: backward carries it from there to the modules before it, which show it too."""
     out = []
-    for s in grad_norm_steps(trace):
+    for s in grad_norm_steps(trace) if steps is None else steps:
         g = step_grad_norm(s)
         if g and g["first_nonfinite"]:
             n, where = len(g["nonfinite_modules"]), module_label(trace, *g["first_nonfinite"])
@@ -106,15 +108,16 @@ def nonfinite_flags(trace: Trace) -> list[dict[str, Any]]:
     return out
 
 
-def exploding_flags(trace: Trace) -> list[dict[str, Any]]:
+def exploding_flags(trace: Trace, steps: list[StepRecord] | None = None) -> list[dict[str, Any]]:
     """Exploding gradients: a step whose global gradient norm is above ``EXPLODING_NORM`` (1e4), or
     ``EXPLODING_RATIO`` (1000) times the median of the other steps' or more. One such step can throw the
     weights far off; gradient clipping (``clip_grad_norm_``) or a lower learning rate are the usual cures.
     The module named holds the largest gradient norm of that step."""
-    norms = {r["step"]: r["global"] for r in grad_norm_series(trace)}
+    steps = grad_norm_steps(trace) if steps is None else steps
+    norms = {r["step"]: r["global"] for r in grad_norm_series(trace, steps)}
     ordered = sorted(v for v in norms.values() if v is not None)
     out = []
-    for s in grad_norm_steps(trace):
+    for s in steps:
         norm = norms[s.step]
         others = median_of_others(ordered, norm) if norm is not None else None
         reason = _exploding_reason(norm, others)
@@ -144,14 +147,14 @@ def _largest_grad_module(trace: Trace, step: StepRecord) -> tuple[str | None, fl
     return module_label(trace, best[1], best[2]), best[0]
 
 
-def vanishing_flags(trace: Trace) -> list[dict[str, Any]]:
+def vanishing_flags(trace: Trace, steps: list[StepRecord] | None = None) -> list[dict[str, Any]]:
     """Vanishing gradients: a block of a repeated stack (``encoder.layer.4`` of ``layer.0..11``) whose
     gradient norm, over all its submodules, is ``VANISHING_RATIO`` (1000) times or more below the median
     of its neighbours (up to two blocks on each side). Its weights barely learn; look for what cuts the
     gradient there (a saturated activation, a detach, a residual path that skips it, a bad init)."""
     out = []
     stacks = [(info, repeated_blocks(info)) for info in trace.models]  # once, not once per step
-    for s in grad_norm_steps(trace):
+    for s in grad_norm_steps(trace) if steps is None else steps:
         for info, blocks in stacks:
             if blocks:
                 out += _vanishing_in(trace, info, blocks, s)
@@ -161,19 +164,34 @@ def vanishing_flags(trace: Trace) -> list[dict[str, Any]]:
 def _vanishing_in(
     trace: Trace, info: ModelInfo, stacks: list[list[int]], step: StepRecord
 ) -> list[dict[str, Any]]:
-    norms = inclusive_grad_norms(info, module_columns(info, step))
+    norms = inclusive_grad_norms(info, _grad_columns(info, step))
     out = []
     for blocks in stacks:
         for k, i in enumerate(blocks):
+            value = norms[i]
+            if value is None:
+                continue
             near = blocks[max(0, k - VANISHING_NEIGHBOURS) : k] + blocks[k + 1 : k + 1 + VANISHING_NEIGHBOURS]
             values = [v for v in (norms[j] for j in near) if v is not None]
-            value = norms[i]
-            if value is None or not values or value * VANISHING_RATIO > statistics.median(values):
+            med = statistics.median(values) if values else None
+            if med is None or value * VANISHING_RATIO > med:
                 continue
-            med, name = statistics.median(values), module_label(trace, info.index, i)
+            name = module_label(trace, info.index, i)
             ratio = f"{med / value:.3g}x" if value > 0 else "infinitely"
             text = f"gradient norm {value:.3g}, {ratio} below the median of its neighbours ({med:.3g})"
             out.append(_grad_flag("vanishing", name, step.step, text))
+    return out
+
+
+def _grad_columns(info: ModelInfo, step: StepRecord) -> dict[str, list[Any]]:
+    """The step's ``grad_norm`` and ``grad_nonfinite`` columns for this model, padded with ``None``
+    where missing or short (``module_columns`` of only the two columns a finding reads, once a step)."""
+    n = len(info.names)
+    cols = step.modules.get(info.index) or {}
+    out = {}
+    for key in ("grad_norm", "grad_nonfinite"):
+        col = cols.get(key)
+        out[key] = col if col is not None and len(col) == n else (list(col or []) + [None] * n)[:n]
     return out
 
 

@@ -66,6 +66,14 @@ def median_phases(steps: list[StepRecord]) -> dict[str, float]:
 
 def step_rows(trace: Trace) -> list[dict[str, Any]]:
     """One row per step record, in order: timing, phases, and where its peak happened."""
+    labels: dict[tuple[Any, Any], str | None] = {}  # a few modules peak in every step: named once
+
+    def label(model: Any, module: Any) -> str | None:
+        key = (model, module)
+        if key not in labels:
+            labels[key] = module_label(trace, model, module)
+        return labels[key]
+
     return [
         {
             "step": s.step,
@@ -76,7 +84,7 @@ def step_rows(trace: Trace) -> list[dict[str, Any]]:
             "micro_batches": s.micro_batches,
             "peak_bytes": step_peak_bytes(s),
             "peak_phase": s.memory.get("peak_phase"),
-            "peak_module": module_label(trace, s.memory.get("peak_model"), s.memory.get("peak_module")),
+            "peak_module": label(s.memory.get("peak_model"), s.memory.get("peak_module")),
         }
         for s in trace.steps
     ]

@@ -40,24 +40,24 @@ def configure_report(p: argparse.ArgumentParser) -> None:
 
 
 def report_command(ns: argparse.Namespace) -> int:
+    from memdoctor.launch.saving import Saved, failure_line, write_report_files
     from memdoctor.report import build_summary  # the analysis and report layers; imported late
-    from memdoctor.trace import load_trace, unfinished_end
+    from memdoctor.trace import load_trace, paused_gc, unfinished_end
 
     path = trace_file(ns.trace)
-    trace = load_trace(path, salvage=ns.salvage)
-    if trace.end is None:  # --salvage of a run that never finished: say so in the report
-        trace.end = unfinished_end(len(trace.steps))
-    out = report_output_dir(path, ns.output, force=ns.force)
-    if out.note:
-        say(out.note)
-    from memdoctor.launch.saving import Saved, failure_line, write_report_files
-
-    saved = write_report_files(Saved(kept=path), trace, out.path)
+    with paused_gc():  # a loaded trace is millions of objects: see paused_gc
+        trace = load_trace(path, salvage=ns.salvage)
+        if trace.end is None:  # --salvage of a run that never finished: say so in the report
+            trace.end = unfinished_end(len(trace.steps))
+        out = report_output_dir(path, ns.output, force=ns.force)
+        if out.note:
+            say(out.note)
+        summary = build_summary(trace)  # once: for the files and for the terminal
+        saved = write_report_files(Saved(kept=path), trace, out.path, summary)
     if saved.failed:  # one line: what could not be written and why, what was, and that the trace is intact
         steps = sum(1 for s in trace.steps if s.complete)
         raise OutputError(f"{out.path}: {failure_line(saved, steps)}")
     written = saved.paths
-    summary = build_summary(trace)
     print_summary(summary, trace, status=summary.get("status"), message=(trace.end or {}).get("message"))
     print_written(list(written.values()))
     return exitcodes.OK

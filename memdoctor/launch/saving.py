@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from memdoctor.config.file import CONFIG_FILENAME
 from memdoctor.errors import OutputError
 from memdoctor.outputs import display_path
 from memdoctor.report.render import REPORT_FILENAME
 from memdoctor.report.summary import SUMMARY_FILENAME
-from memdoctor.trace import TRACE_FILENAME, Trace, save_trace
+from memdoctor.trace import TRACE_FILENAME, Trace, paused_gc, save_trace
 
 
 @dataclass
@@ -41,11 +42,14 @@ def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
         return _report_not_tried(saved, out_dir, "the trace was not saved")
     saved.paths["trace"] = saved.kept = trace_path
     partial.unlink(missing_ok=True)
-    write_report_files(saved, trace, out_dir)
+    with paused_gc():  # a long run's trace is millions of objects: see paused_gc
+        write_report_files(saved, trace, out_dir)
     return saved
 
 
-def write_report_files(saved: Saved, trace: Trace, out_dir: Path) -> Saved:
+def write_report_files(
+    saved: Saved, trace: Trace, out_dir: Path, summary: dict[str, Any] | None = None
+) -> Saved:
     """``write_report`` into ``out_dir``, adding to ``saved`` the files written and those that were not
     (summary first, then the report: a full disk can leave one written and not the other)."""
     from memdoctor.report import write_report
@@ -57,7 +61,7 @@ def write_report_files(saved: Saved, trace: Trace, out_dir: Path) -> Saved:
     }
     before = {key: _identity(path) for key, path in targets.items()}
     try:
-        saved.paths.update(write_report(trace, out_dir))
+        saved.paths.update(write_report(trace, out_dir, summary))
     except (OutputError, OSError) as exc:  # write_report words an OSError as an OutputError
         written = {k: p for k, p in targets.items() if _identity(p) not in (None, before[k])}
         saved.paths.update(written)

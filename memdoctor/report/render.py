@@ -31,7 +31,7 @@ from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
 from memdoctor.report import plots, plots_heatmap
 from memdoctor.report.sections import report_sections
-from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, summary_json
+from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, embedded_summary, summary_json
 from memdoctor.trace import CATEGORIES, PHASES, Trace
 from memdoctor.units import format_bytes
 from memdoctor.version import __version__
@@ -94,11 +94,11 @@ def render_report(
     return environment().get_template(TEMPLATE).render(**context)
 
 
-def write_report(trace: Trace, out_dir: Path) -> dict[str, Path]:
+def write_report(trace: Trace, out_dir: Path, summary: dict[str, Any] | None = None) -> dict[str, Path]:
     """Write ``report.html``, ``summary.json`` and, when there is a plan, ``memdoctor.yaml`` into ``out_dir``
-    (each atomically); return their paths."""
+    (each atomically); return their paths. ``summary``: the trace's, when the caller has built it."""
     out_dir = Path(out_dir)
-    summary = build_summary(trace)
+    summary = summary if summary is not None else build_summary(trace)
     html = render_report(trace, summary, _relative(str((out_dir / CONFIG_FILENAME).absolute()), os.getcwd()))
     paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
     atomic_write(paths["summary"], summary_json(summary))
@@ -141,7 +141,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     heatmap = layer_time.heatmap(trace, step)
     return {
         "summary": summary,
-        "summary_json": embed_json(summary),
+        "summary_json": embed_json(embedded_summary(summary, STEP_ROWS)),
         "run": run_info(trace),
         "limit": limit,
         "limit_label": limit_label,

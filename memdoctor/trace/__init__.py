@@ -4,7 +4,7 @@ Imports only the base modules; it stores figures and never interprets them (docs
 
 from __future__ import annotations
 
-from memdoctor.trace.reader import load_trace, read_trace
+from memdoctor.trace.reader import load_trace, paused_gc, read_trace
 from memdoctor.trace.records import (
     CATEGORIES,
     FORMAT_NAME,
@@ -41,6 +41,7 @@ __all__ = [
     "load_trace",
     "make_end",
     "make_header",
+    "paused_gc",
     "read_trace",
     "save_trace",
     "unfinished_end",

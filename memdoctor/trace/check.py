@@ -17,12 +17,15 @@ Check = Callable[[Any], bool]
 MAX_TEXT = 64 * 1024
 
 
+# The checks read values a JSON decoder made: exact types (``type(v) is int`` is no bool), and object
+# keys that are strings. They run on every value of every step record (100,000 steps: millions of calls).
 def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return type(v) is int and v >= 0
 
 
 def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    t = type(v)
+    return (t is int or (t is float and math.isfinite(v))) and v >= 0
 
 
 def _str(v: Any) -> bool:
@@ -34,11 +37,11 @@ def _opt(check: Check) -> Check:
 
 
 def _list_of(check: Check) -> Check:
-    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+    return lambda v: type(v) is list and all(map(check, v))
 
 
 def _dict_of(check: Check) -> Check:
-    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
+    return lambda v: type(v) is dict and all(map(check, v.values()))
 
 
 def _timestamp(v: Any) -> bool:
@@ -50,7 +53,7 @@ _YEAR_10000 = 253402300800
 
 
 def _signed_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return type(v) is int
 
 
 HEADER = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from memdoctor.units import MAX_NAME_CHARS
@@ -147,12 +148,9 @@ class StepRecord:
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> StepRecord:
-        mods = _dict(rec, "modules")
-        modules: dict[int, dict[str, list[Any]]] = {}
-        for key, cols in mods.items():
-            if not isinstance(cols, dict):
-                raise ValueError("step.modules entries must be objects")
-            modules[_as_int(key, "step.modules key")] = {k: _numbers(v, k) for k, v in cols.items()}
+        modules = {
+            _as_int(key, "step.modules key"): _columns(cols) for key, cols in _dict(rec, "modules").items()
+        }
         timeline = {k: (None if v is None else _list_of(v, k)) for k, v in _dict(rec, "timeline", {}).items()}
         memory = _dict(rec, "memory")
         _check_nonneg(memory.get("peak_bytes"), "memory.peak_bytes")
@@ -330,6 +328,21 @@ def _numbers(value: Any, key: str) -> list[Any]:
         if isinstance(x, (int, float)) and (not math.isfinite(x) or x < 0):
             raise ValueError(f"{key} holds a negative or non-finite value")
     return items
+
+
+def _columns(cols: Any) -> dict[str, list[Any]]:
+    """A model's per-module columns of one step: lists of numbers >= 0 and None, all of them checked at
+    once (one list, its types as a set, its minimum and sum): a step of a small model would otherwise
+    cost more in calls per column than in values."""
+    if not isinstance(cols, dict):
+        raise ValueError("step.modules entries must be objects")
+    if all(type(v) is list for v in cols.values()):
+        items = list(chain.from_iterable(cols.values()))
+        if set(map(type, items)) <= _NUMBER_TYPES:
+            nums = [x for x in items if x is not None]
+            if not nums or (min(nums) >= 0 and math.isfinite(sum(nums))):
+                return cols
+    return {k: _numbers(v, k) for k, v in cols.items()}  # finds the offending column, for the message
 
 
 def _ints(rec: dict[str, Any], key: str, n: int, lo: int = 0, hi: int | None = None) -> list[int]:
