@@ -34,7 +34,7 @@ from typing import Any
 from memdoctor import exitcodes
 from memdoctor.analysis.faults import died_in
 from memdoctor.config import PlanConfig
-from memdoctor.launch.reprofile_checkpoint import checkpoint_round
+from memdoctor.launch.reprofile_checkpoint import checkpoint_round, round_entry
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.outputs import round_folder
 from memdoctor.plan.measure import batch_size
@@ -259,18 +259,8 @@ def _one(
     if measured and trace is not None and result.summary is not None and missing == []:
         w = reprofile_workload(trace, result.summary, k, batch, oom_budget)
         w = None if w is None else dataclasses.replace(w, split=split)  # the split that measured it
-    r = {
-        "round": n,
-        "accumulation_steps": k,
-        "micro_batch": micro,
-        "split": split.kind,
-        "trace": f"{out.name}/{result.trace_path.name if result.trace_path else 'trace.jsonl.gz'}",
-        "status": result.status,
-        "exit_code": result.exit_code,
-        "message": result.message,
-        "unmeasured_modules": len(missing) if missing is not None else None,
-        "measured_every_module": w is not None,
-    }
+    shape = {"accumulation_steps": k, "micro_batch": micro, "split": split.kind}
+    r = round_entry(n, shape, out, result, missing, measured=w is not None)
     verdict = (
         "measured every module"
         if w is not None

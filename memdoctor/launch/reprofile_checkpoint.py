@@ -15,12 +15,13 @@ run that still dies would die again (it is not retried), and the plan is made fr
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from memdoctor import exitcodes
 from memdoctor.config import PlanConfig
 from memdoctor.config.file import Provenance
-from memdoctor.launch.supervisor import ProfileRequest, Runner, Say
+from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
 from memdoctor.levers.install import SEEN_THROUGH
 from memdoctor.outputs import round_folder
 from memdoctor.plan.checkpointed import blocks_to_checkpoint, checkpointed_workload
@@ -77,21 +78,8 @@ def checkpoint_round(
         w is not None
     ):  # no split applies, whatever the round's own loop facts say (one step may miss the loss)
         w = dataclasses.replace(w, split=Split(None, why), notes=[*w.notes, why])
-    record["rounds"].append(
-        {
-            "round": n,
-            "accumulation_steps": 1,
-            "micro_batch": None,
-            "split": None,
-            "checkpointed": len(blocks),
-            "trace": f"{out.name}/{result.trace_path.name if result.trace_path else 'trace.jsonl.gz'}",
-            "status": result.status,
-            "exit_code": result.exit_code,
-            "message": result.message,
-            "unmeasured_modules": len(missing) if missing is not None else None,
-            "measured_every_module": w is not None,
-        }
-    )
+    shape = {"accumulation_steps": 1, "micro_batch": None, "split": None, "checkpointed": len(blocks)}
+    record["rounds"].append(round_entry(n, shape, out, result, missing, measured=w is not None))
     if w is not None:
         record.update(used_round=n, workload=as_record(w))
         say(f"reprofile {n}: measured every module; planning from it, each block's activations added back")
@@ -107,6 +95,30 @@ def checkpoint_round(
             f"({result.message}): not retried, as checkpointing every block is the most a re-profile at "
             "the full batch can take away"
         )
+
+
+def round_entry(
+    n: int,
+    shape: dict[str, Any],
+    out: Path,
+    result: ProfileResult,
+    missing: list[str] | None,
+    *,
+    measured: bool,
+) -> dict[str, Any]:
+    """A re-profile round's row in the ``reprofile`` record: its number, how it split or checkpointed
+    (``shape``), where its trace is, how it ended and what it left unmeasured; the micro-batch rounds
+    (``memdoctor.launch.reprofile``) and the checkpointed one write the same row."""
+    return {
+        "round": n,
+        **shape,
+        "trace": f"{out.name}/{result.trace_path.name if result.trace_path else 'trace.jsonl.gz'}",
+        "status": result.status,
+        "exit_code": result.exit_code,
+        "message": result.message,
+        "unmeasured_modules": len(missing) if missing is not None else None,
+        "measured_every_module": measured,
+    }
 
 
 def _depth(info: ModelInfo, i: int) -> int:
