@@ -123,3 +123,26 @@ def test_the_recorded_rate_reaches_the_workload() -> None:
     trace.collected["device"] = {"kind": "cuda", "host_optimizer": {"bytes_per_s": -1}}  # hostile: ignored
     w = measured_workload(trace, build_summary(trace))
     assert w is not None and w.host_optimizer_bytes_per_s is None
+
+
+def test_the_measurement_is_not_taken_for_a_step_of_the_script() -> None:
+    """torch's optimizer-step hooks are global: on the H200 the measurement, run at the fault of a 1.1B
+    decoder that died in its first forward, closed a "complete" step 0 and the plan took the model as
+    fully measured. memdoctor's own optimizer is passed over by the session's step hooks."""
+    from memdoctor.capture.session import ProfileSession
+
+    records: list[dict[str, Any]] = []
+    session = ProfileSession(steps=2, warmup=0, sink=records.append)
+    session.start()
+    measure_host_optimizer(2**20)
+    session.stop()
+    assert [r for r in records if r["type"] == "step"] == []
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records.clear()
+    session = ProfileSession(steps=2, warmup=0, sink=records.append)
+    session.start()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()  # the script's own step still counts
+    session.stop()
+    assert len([r for r in records if r["type"] == "step"]) == 1

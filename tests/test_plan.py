@@ -401,3 +401,23 @@ def test_report_renders_the_plan_section_with_and_without_a_plan(tmp_path: Path)
         html = Path(write_report(trace, tmp_path / name)["report"]).read_text()
         assert 'id="plan"' in html
         assert ("No plan: no budget" in html) == (name == "cpu")
+
+
+def test_a_fit_only_an_8bit_optimizer_gives_is_advice_not_the_plan() -> None:
+    """The real pytorch/examples imagenet on CPU: only an 8-bit optimizer fitted, and the plan proposed
+    it although ``memdoctor run`` refuses to swap the script's own optimizer. Such a config is now
+    advice naming what the script must change, and the plan says nothing ``run`` can apply fits."""
+    w = hand_workload(
+        candidates=[],
+        device_kind="cpu",
+        bf16_native=False,
+        optimizer_classes=("AdamW",),
+        batch_size=1,
+        optimizer_state=600,
+        activations=200,
+    )
+    assert predict(w, Config(optimizer="8bit")).reserved_bytes <= Target(800).limit_bytes
+    plan = make_plan(w, Target(800))
+    assert plan.chosen is None
+    assert plan.closest.config.optimizer != "8bit"
+    assert any("AdamW8bit" in a and "would fit" in a for a in plan.advice)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -34,6 +35,11 @@ PLAUSIBLE_SHARE = 0.9
 # Optimizers holding two moments per parameter (torch's Adam family): counted in the state estimate.
 # The same set as ``memdoctor.plan.reprofiled``'s (capture and plan import neither; a test keeps them equal).
 TWO_MOMENT_OPTIMIZERS = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
+# memdoctor's own optimizers: torch's optimizer-step hooks are global, so the session's step hooks
+# (``memdoctor.capture.optimizersteps``) would take this test's steps for the script's. On the H200 a
+# 1.1B decoder that died in its first forward got a "complete" step 0 from it, and a plan built as if
+# the whole model had run.
+OWN_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def measure_host_optimizer(nbytes: int = HOST_OPTIMIZER_BYTES) -> dict[str, Any]:
@@ -46,6 +52,7 @@ def measure_host_optimizer(nbytes: int = HOST_OPTIMIZER_BYTES) -> dict[str, Any]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    OWN_OPTIMIZERS.add(opt)
     times = []
     for i in range(HOST_OPTIMIZER_REPEATS + 1):
         start = time.perf_counter()

@@ -16,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from memdoctor.capture import gradnorms, gradscaler
 from memdoctor.capture.compiled import outside_compiled
 from memdoctor.capture.cycle import OptimizerCycle
+from memdoctor.capture.hostoptimizer import OWN_OPTIMIZERS
 
 if TYPE_CHECKING:
     from memdoctor.capture.session import ProfileSession
@@ -47,7 +48,7 @@ class OptimizerSteps:
 
     def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         s = self.session
-        if s._done:
+        if s._done or opt in OWN_OPTIMIZERS:
             return
         if s._writer.pending:
             s._emit_ready(wait=False)
@@ -72,7 +73,7 @@ class OptimizerSteps:
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         s = self.session
-        if s._done:
+        if s._done or opt in OWN_OPTIMIZERS:
             return
         s._ledger.in_opt = False
         s._data.opt_bytes = s._ledger.opt_state_by_module()

@@ -91,7 +91,8 @@ def config_for_summary(trace: Any, summary: dict[str, Any]) -> PlanConfig | None
     from memdoctor.plan.measure import batch_size
 
     path = getattr(trace, "path", None)  # its file name only: a config must not carry the user's folders
-    path = None if path is None else Path(path).name
+    # a crashed run's plan is made from the salvaged ``.partial``, which is renamed to the trace's name
+    path = None if path is None else Path(path).name.removesuffix(".partial")
     return from_plan(
         plan, trace=trace, trace_path=None if path is None else str(path), batch_size=batch_size(summary)
     )

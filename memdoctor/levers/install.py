@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from memdoctor.capture.hostoptimizer import OWN_OPTIMIZERS
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.config.file import config_from_mapping
 from memdoctor.errors import ConfigError
@@ -338,6 +339,8 @@ def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
         return inner(*args, **kwargs)
 
     def first_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if opt in OWN_OPTIMIZERS:  # memdoctor's own measurement, not the script's step
+            return
         handle.remove()
         if not calls[0]:
             inst.fail(

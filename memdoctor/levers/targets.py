@@ -28,6 +28,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memdoctor.capture.discovery import find_trained_roots, optimizer_params, storage_key
+from memdoctor.capture.hostoptimizer import OWN_OPTIMIZERS
 from memdoctor.patching import Undo, set_attr
 
 
@@ -64,6 +65,8 @@ class ModelWatch:
                 watch._built(opt)
 
         def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if opt in OWN_OPTIMIZERS:  # memdoctor's own measurement, not the script's step
+                return
             watch.stop()
             watch._on_missing()
 

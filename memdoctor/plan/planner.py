@@ -123,6 +123,9 @@ def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: 
         return Plan(target, base, base, base, True, w.peak_bytes)
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
+    # A fitting config ``memdoctor run`` cannot apply to this script (the 8-bit optimizer: the script
+    # builds its own) is never the plan: it becomes advice, with what the script must change.
+    advisory: list[Prediction] = []
     for tier in (tier_one(w, target), tier_two(w, target)):
         tier = [c for c in tier if avoid.isdisjoint(c.families())]
         found = [
@@ -132,12 +135,17 @@ def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: 
         ]
         tried += found
         fitting = [p for p in found if fits(p, target) and not known_oom(w, p.config, target)]
+        advisory += [p for p in fitting if not runnable(p.config)]
+        fitting = [p for p in fitting if runnable(p.config)]
         if fitting:
             best = min(_preferred(fitting), key=lambda p: cost(p, order))
-            caveats = _caveats(w, best) + ([] if runnable(best.config) else [not_runnable(best.config)])
+            caveats = _caveats(w, best)
             return Plan(target, base, best, best, False, w.peak_bytes, caveats, grad_scaler=grad_scaler(w))
-    closest = min(tried or [base], key=lambda p: p.reserved_bytes)
+    closest = min([p for p in tried if runnable(p.config)] or [base], key=lambda p: p.reserved_bytes)
     advice = what_would_fit(w, target, closest)
+    if advisory:
+        best = min(advisory, key=lambda p: cost(p, order))
+        advice.insert(1, f"{not_runnable(best.config)} ({format_bytes(best.reserved_bytes)} predicted)")
     return Plan(target, base, None, closest, False, w.peak_bytes, advice, grad_scaler=grad_scaler(w))
 
 
@@ -195,17 +203,15 @@ def compared_plan(
     ``COMPARED_MARGIN``, that ``memdoctor run`` can apply; None when none fits."""
     searched = dataclasses.replace(target, margin=COMPARED_MARGIN)
     other = make_plan(w, searched, priority, avoid=family, exclude=exclude)
-    return other if other.chosen is not None and runnable(other.chosen.config) else None
+    return other if other.chosen is not None else None
 
 
 def _preferred(fitting: list[Prediction]) -> list[Prediction]:
-    """The fitting configs the choice is made among: a plan ``memdoctor run`` can apply beats a faster one
-    it cannot (it would be advice only), and one that keeps the optimizer on the GPU beats one that
-    offloads it, because the time model does not count the CPU optimizer step (only the copies; full
-    offload's host step is counted, but as an assumption)."""
-    runs = [p for p in fitting if runnable(p.config)]
-    on_gpu = [p for p in runs if p.config.optimizer == "as-is" and not p.config.full_offload]
-    return on_gpu or runs or fitting
+    """The fitting configs the choice is made among (all of them ones ``memdoctor run`` can apply): one
+    that keeps the optimizer on the GPU beats one that offloads it, because the time model does not count
+    the CPU optimizer step (only the copies; full offload's host step is counted, but as an assumption)."""
+    on_gpu = [p for p in fitting if p.config.optimizer == "as-is" and not p.config.full_offload]
+    return on_gpu or fitting
 
 
 def grad_scaler(w: Workload) -> dict[str, Any] | None:

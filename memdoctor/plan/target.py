@@ -91,6 +91,6 @@ def runnable(config: Config) -> bool:
 
 def not_runnable(config: Config) -> str:
     return (
-        f"memdoctor run cannot apply optimizer: {config.optimizer}: only this plan fits; build the "
-        "script's optimizer as bitsandbytes' AdamW8bit"
+        f"{', '.join(config.levers())} would fit, but memdoctor run cannot apply optimizer: "
+        f"{config.optimizer} (the script builds its own optimizer): build it as bitsandbytes' AdamW8bit"
     )
