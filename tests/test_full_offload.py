@@ -19,7 +19,8 @@ import memdoctor
 from memdoctor.config import parse_config
 from memdoctor.errors import ConfigError
 from memdoctor.levers.install import install
-from memdoctor.levers.offload_full import class_name, shard_units
+from memdoctor.levers.modnames import class_name
+from memdoctor.levers.offload_full import shard_units
 from tests.test_run import ACCELERATE, memdoctor_cli, run_script
 
 VOCAB, WIDTH = 11, 8
@@ -108,6 +109,27 @@ def test_run_path_shards_before_the_optimizer_and_matches_the_unmodified_run(ref
     assert any(line.startswith("full_offload: Decoder sharded") for line in inst.lines)
     _same(reference[0], grads)
     _same(reference[1], params)
+
+
+def test_a_sharded_model_is_still_the_model_the_provenance_describes(reference: Any) -> None:
+    """FSDP2 swaps the model's class for ``FSDP<name>``: a plan made by a profile (its provenance names
+    the class, module and parameter counts) must still find its model at the optimizer's build, before
+    the first forward. On the H200 the 1.1B decoder's plan (full offload + bf16) was matched only at the
+    first optimizer step, after the forward had run without autocast, and the run stopped."""
+    plain = Decoder()
+    count = sum(1 for _ in plain.named_modules())
+    params = sum(p.numel() for p in plain.parameters())
+    provenance = {"model_class": "Decoder", "module_count": count, "param_count": params}
+    config = {"memdoctor_config": 1, "full_offload": True, "precision": "bf16", "provenance": provenance}
+    inst = install(config)
+    try:
+        _, trained, model = _train()
+    finally:
+        inst.remove()
+    assert inst.model is model and type(model).__name__ == "FSDPDecoder"
+    assert any(line == "autocast bf16 around FSDPDecoder.forward" for line in inst.lines)
+    assert not any("the config was made for" in line for line in inst.lines)
+    assert trained.keys() == reference[1].keys()
 
 
 def test_full_offload_with_checkpointing_matches(reference: Any) -> None:

@@ -32,9 +32,9 @@ from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
 from memdoctor.levers.loopsplit import LoopSplit
 from memdoctor.levers.microbatch import MicroBatching
-from memdoctor.levers.modnames import recorded_names, submodule
+from memdoctor.levers.modnames import class_name, recorded_names, submodule
 from memdoctor.levers.offload import install_offload
-from memdoctor.levers.offload_full import FullOffload, class_name, model_for, not_sharded
+from memdoctor.levers.offload_full import FullOffload, model_for, not_sharded
 from memdoctor.levers.padding import PaddingTrim
 from memdoctor.levers.scriptargs import ScriptArguments
 from memdoctor.levers.targets import ModelWatch, describes, optimizers_of

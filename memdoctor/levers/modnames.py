@@ -28,3 +28,13 @@ def submodule(root: nn.Module, name: str) -> nn.Module:
         if fit_name(qual) == name:
             return module
     raise AttributeError(f"{type(root).__name__} has no module {name[:80]!r}")
+
+
+def class_name(module: nn.Module) -> str:
+    """The model's class as the script wrote it: FSDP2 swaps a sharded module's class for a subclass
+    named ``FSDP<name>`` (bases: ``FSDPModule`` and the original)."""
+    cls = type(module)
+    bases = [b for b in cls.__bases__ if b.__name__ != "FSDPModule"]
+    if cls.__name__.startswith("FSDP") and len(bases) < len(cls.__bases__) and bases:
+        return bases[0].__name__
+    return cls.__name__

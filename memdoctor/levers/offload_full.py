@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memdoctor.capture.discovery import find_trained_roots
-from memdoctor.levers.modnames import recorded_names
+from memdoctor.levers.modnames import class_name, recorded_names
 from memdoctor.patching import Undo, set_attr
 
 STACK_MIN = 3  # as the analysis's repeated stacks (memdoctor.analysis.layers.repeated_blocks)
@@ -106,16 +106,6 @@ def _tied(unit: nn.Module, owners: dict[int, int]) -> bool:
         for p in module.parameters(recurse=False):
             inside[id(p)] = inside.get(id(p), 0) + 1
     return any(owners[i] > n for i, n in inside.items())
-
-
-def class_name(module: nn.Module) -> str:
-    """The model's class as the script wrote it: FSDP2 swaps a sharded module's class for a subclass
-    named ``FSDP<name>`` (bases: ``FSDPModule`` and the original)."""
-    cls = type(module)
-    bases = [b for b in cls.__bases__ if b.__name__ != "FSDPModule"]
-    if cls.__name__.startswith("FSDP") and len(bases) < len(cls.__bases__) and bases:
-        return bases[0].__name__
-    return cls.__name__
 
 
 def model_for(names: Iterable[str]) -> Callable[[nn.Module], bool]:

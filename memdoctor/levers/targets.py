@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memdoctor.capture.discovery import find_trained_roots, optimizer_params, storage_key
 from memdoctor.capture.hostoptimizer import OWN_OPTIMIZERS
+from memdoctor.levers.modnames import class_name
 from memdoctor.patching import Undo, set_attr
 
 
@@ -119,7 +120,7 @@ def describes(
     storage). A script with several models (a GAN's generator and discriminator, built and first
     stepped in either order) then gets the plan applied to the model it names, not to the first one
     whose optimizer it builds: dcgan's two models both have ``main.0`` ... ``main.N``."""
-    if model_class and type(root).__name__ != model_class:
+    if model_class and class_name(root) != model_class:  # FSDP2's ``FSDP<name>`` is still <name>
         return False
     if module_count is not None and sum(1 for _ in root.named_modules()) != module_count:
         return False
