@@ -120,7 +120,9 @@ class TraceFrames:
     @cached_property
     def steps(self) -> pd.DataFrame:
         """One row per step record: when it ran, its phases, its peak and the categories at the peak."""
-        rows = [_step_row(s, start) for s, start in zip(self.trace.steps, step_starts(self.trace), strict=True)]
+        rows = [
+            _step_row(s, start) for s, start in zip(self.trace.steps, step_starts(self.trace), strict=True)
+        ]
         return _frame(rows)
 
     @cached_property
@@ -139,7 +141,9 @@ class TraceFrames:
     def events(self) -> pd.DataFrame:
         """The trace's events (errors, out-of-memory, stops), one row each."""
         rows = [event_row(self.trace, e) for e in self.trace.events]
-        return _frame(rows, columns=["kind", "message", "exception_type", "step", "phase", "module_name", "t_unix"])
+        return _frame(
+            rows, columns=["kind", "message", "exception_type", "step", "phase", "module_name", "t_unix"]
+        )
 
 
 def _ledger_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,7 @@ FAST_FILES = frozenset(
         "test_script_knobs.py",
         "test_device_stats.py",
         "test_devicefacts.py",
+        "test_frames.py",
         "test_gradnorms.py",
         "test_histograms.py",
         "test_history.py",
@@ -87,6 +88,7 @@ FAST_FILES = frozenset(
         "test_trace_writer_caps.py",
         "test_transfers.py",
         "test_verify_failures.py",
+        "test_viewers.py",
     }
 )
 

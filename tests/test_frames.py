@@ -87,6 +87,6 @@ def test_load_takes_the_folder_and_refuses_a_bad_file(tmp_path: Path) -> None:
     shutil.copy(CPU, tmp_path / "trace.jsonl.gz")
     assert len(memdoctor.load(tmp_path).steps) == 4
     (tmp_path / "bad.jsonl.gz").write_text("not a trace")
-    with pytest.raises(TraceError, match="bad.jsonl.gz"):
+    with pytest.raises(TraceError, match=r"bad\.jsonl\.gz"):
         memdoctor.load(tmp_path / "bad.jsonl.gz")
     assert memdoctor.load(GPU).events["kind"].tolist() == ["stopped"]

@@ -77,9 +77,9 @@ def module_spans(trace: Trace) -> list[dict[str, Any]]:
         if event in _PAIRS:
             open_calls.setdefault((*key, event), []).append(i)
         for pre, (post, kind) in _PAIRS.items():
-            if event == post and open_calls.get((*key, pre)):
-                j = open_calls[(*key, pre)].pop()
-                spans.append(_span(cols, j, i, kind))
+            started = open_calls.get((*key, pre))
+            if event == post and started:
+                spans.append(_span(cols, started.pop(), i, kind))
     return sorted(spans, key=lambda s: (s["start_ms"], -s["end_ms"], s["depth"] or 0))
 
 
@@ -101,5 +101,7 @@ def run_phase_spans(trace: Trace) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for start, step in zip(step_starts(trace), trace.steps, strict=True):
         times = [start + float(t) for t in step.timeline.get("t_ms") or []]
-        out += [{**span, "step": step.step} for span in phase_spans(times, list(step.timeline.get("phase") or []))]
+        out += [
+            {**span, "step": step.step} for span in phase_spans(times, list(step.timeline.get("phase") or []))
+        ]
     return out

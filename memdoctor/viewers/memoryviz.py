@@ -116,7 +116,9 @@ def memory_snapshot(trace: Trace) -> dict[str, Any]:
     for i in range(len(cols["time_ms"])):
         time_us = t0 + int(cols["time_ms"][i] * 1000)
         frames = [_frame(cols, i)]
-        for category, target in _targets(cols, i).items():
+        targets = _targets(cols, i)
+        # Shrinks before growths: between two samples the replay never holds more than either does.
+        for category, target in sorted(targets.items(), key=lambda ct: ct[1] >= replay.total(ct[0])):
             replay.set_total(category, target, frames, time_us)
     device = int(trace.device.get("index") or 0)
     return {
@@ -144,7 +146,11 @@ def _frame(cols: dict[str, list[Any]], i: int) -> dict[str, Any]:
     """Where a block's bytes appeared: the module (or the step's phase) and the sample's event, as a
     stack frame the viewer shows (``filename:line:name``; the line is the step)."""
     where = cols["name"][i] or f"({cols['phase'][i] or 'step'})"
-    return {"filename": str(where), "line": int(cols["step"][i]), "name": f"step {cols['step'][i]} {cols['event'][i]}"}
+    return {
+        "filename": str(where),
+        "line": int(cols["step"][i]),
+        "name": f"step {cols['step'][i]} {cols['event'][i]}",
+    }
 
 
 def _segment(replay: _Replay, device: int) -> dict[str, Any]:
@@ -158,11 +164,19 @@ def _segment(replay: _Replay, device: int) -> dict[str, Any]:
             blocks.append({"address": at, "size": b.addr - at, "requested_size": 0, "state": "inactive"})
         size = _rounded(b.size)
         blocks.append(
-            {"address": b.addr, "size": size, "requested_size": b.size, "state": "active_allocated", "frames": b.frames}
+            {
+                "address": b.addr,
+                "size": size,
+                "requested_size": b.size,
+                "state": "active_allocated",
+                "frames": b.frames,
+            }
         )
         at = b.addr + size
     if replay.next_addr > at:
-        blocks.append({"address": at, "size": replay.next_addr - at, "requested_size": 0, "state": "inactive"})
+        blocks.append(
+            {"address": at, "size": replay.next_addr - at, "requested_size": 0, "state": "inactive"}
+        )
     total = replay.next_addr - _BASE
     active = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
     return {

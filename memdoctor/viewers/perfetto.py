@@ -41,8 +41,10 @@ def perfetto_trace(trace: Trace) -> dict[str, Any]:
     events = _metadata(trace)
     events += _counters(trace)
     events += _steps(trace)
-    events += [_slice(PHASES_TID, s["phase"], s["start_ms"], s["end_ms"], {"step": s["step"]}) for s in
-               run_phase_spans(trace)]
+    events += [
+        _slice(PHASES_TID, s["phase"], s["start_ms"], s["end_ms"], {"step": s["step"]})
+        for s in run_phase_spans(trace)
+    ]
     events += _module_calls(trace)
     events += _instants(trace)
     return {
@@ -69,7 +71,9 @@ def _us(ms: float) -> float:
 def _meta(name: str, tid: int, value: str, sort: int | None = None) -> list[dict[str, Any]]:
     out = [{"ph": "M", "name": name, "pid": PID, "tid": tid, "args": {"name": value}}]
     if sort is not None:
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": sort}})
+        out.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": sort}}
+        )
     return out
 
 
@@ -78,7 +82,8 @@ def _metadata(trace: Trace) -> list[dict[str, Any]]:
     what = command.get("script") or command.get("module") or "training script"
     device = trace.device.get("name") or "unknown device"
     events = _meta("process_name", 0, f"memdoctor: {what} on {device}")
-    events += _meta("thread_name", STEPS_TID, "steps", STEPS_TID) + _meta("thread_name", PHASES_TID, "phases", PHASES_TID)
+    events += _meta("thread_name", STEPS_TID, "steps", STEPS_TID)
+    events += _meta("thread_name", PHASES_TID, "phases", PHASES_TID)
     depths = {(s["kind"], s["depth"] or 0) for s in module_spans(trace)}
     for kind, depth in sorted(depths, key=lambda kd: (_PASS_TID[kd[0]], kd[1])):
         tid = _PASS_TID[kind] + depth
@@ -146,7 +151,9 @@ def _module_calls(trace: Trace) -> list[dict[str, Any]]:
         spans.sort(key=lambda s: s["start_ms"])
         for k, s in enumerate(spans):
             end = min(s["end_ms"], spans[k + 1]["start_ms"]) if k + 1 < len(spans) else s["end_ms"]
-            out.append(_slice(tid, s["name"] or "?", s["start_ms"], end, {"step": s["step"], "pass": s["kind"]}))
+            out.append(
+                _slice(tid, s["name"] or "?", s["start_ms"], end, {"step": s["step"], "pass": s["kind"]})
+            )
     return out
 
 
@@ -159,6 +166,15 @@ def _instants(trace: Trace) -> list[dict[str, Any]]:
         if not isinstance(t, (int, float)) or not isinstance(t0, (int, float)):
             continue
         args = {"message": str(ev.get("message") or "")[:500]}
-        out.append({"ph": "i", "s": "g", "name": str(ev.get("kind") or "event"), "pid": PID, "tid": STEPS_TID,
-                    "ts": _us(max(0.0, (t - t0) * 1000.0)), "args": args})
+        out.append(
+            {
+                "ph": "i",
+                "s": "g",
+                "name": str(ev.get("kind") or "event"),
+                "pid": PID,
+                "tid": STEPS_TID,
+                "ts": _us(max(0.0, (t - t0) * 1000.0)),
+                "args": args,
+            }
+        )
     return out
