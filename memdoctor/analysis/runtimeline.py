@@ -64,13 +64,14 @@ def _column(values: list[Any] | None, n: int) -> list[Any]:
     return (list(values) + [None] * n)[:n] if values is not None else [None] * n
 
 
-def module_spans(trace: Trace) -> list[dict[str, Any]]:
+def module_spans(trace: Trace, cols: dict[str, list[Any]] | None = None) -> list[dict[str, Any]]:
     """The module calls the timeline saw, as ``{step, model, module, name, kind, depth, start_ms,
     end_ms}`` on the run's clock: a ``fwd_pre`` sample to its ``fwd_post`` (kind ``forward``), a
     ``bwd_pre`` to its ``bwd_post`` (``backward``). A call whose end was not sampled (a crash, a
-    downsampled timeline) is left out rather than stretched."""
+    downsampled timeline) is left out rather than stretched. ``cols``: ``run_timeline(trace)``, when
+    the caller has it."""
     spans: list[dict[str, Any]] = []
-    cols = run_timeline(trace)
+    cols = cols if cols is not None else run_timeline(trace)
     open_calls: dict[tuple[Any, ...], list[int]] = {}
     for i, event in enumerate(cols["event"]):
         key = (cols["step"][i], cols["model"][i], cols["module"][i])

@@ -38,14 +38,16 @@ ALLOCATOR = tuple(c for c in MEMORY_COLUMNS if c not in ACCOUNTING)
 
 def perfetto_trace(trace: Trace) -> dict[str, Any]:
     """The trace-event JSON object for ``trace`` (see the module docstring)."""
-    events = _metadata(trace)
-    events += _counters(trace)
+    cols = run_timeline(trace)
+    spans = module_spans(trace, cols)
+    events = _metadata(trace, spans)
+    events += _counters(cols)
     events += _steps(trace)
     events += [
         _slice(PHASES_TID, s["phase"], s["start_ms"], s["end_ms"], {"step": s["step"]})
         for s in run_phase_spans(trace)
     ]
-    events += _module_calls(trace)
+    events += _module_calls(spans)
     events += _instants(trace)
     return {
         "traceEvents": events,
@@ -77,24 +79,23 @@ def _meta(name: str, tid: int, value: str, sort: int | None = None) -> list[dict
     return out
 
 
-def _metadata(trace: Trace) -> list[dict[str, Any]]:
+def _metadata(trace: Trace, spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     command = trace.header.get("command") or {}
     what = command.get("script") or command.get("module") or "training script"
     device = trace.device.get("name") or "unknown device"
     events = _meta("process_name", 0, f"memdoctor: {what} on {device}")
     events += _meta("thread_name", STEPS_TID, "steps", STEPS_TID)
     events += _meta("thread_name", PHASES_TID, "phases", PHASES_TID)
-    depths = {(s["kind"], s["depth"] or 0) for s in module_spans(trace)}
+    depths = {(s["kind"], s["depth"] or 0) for s in spans}
     for kind, depth in sorted(depths, key=lambda kd: (_PASS_TID[kd[0]], kd[1])):
         tid = _PASS_TID[kind] + depth
         events += _meta("thread_name", tid, f"{kind}, depth {depth}", tid)
     return events
 
 
-def _counters(trace: Trace) -> list[dict[str, Any]]:
+def _counters(cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """One counter event per timeline sample for the accounting, and one per sample where the
     allocator was read (its columns are None elsewhere: no value is made up between readings)."""
-    cols = run_timeline(trace)
     events: list[dict[str, Any]] = []
     for i, time_ms in enumerate(cols["time_ms"]):
         accounted = {c: cols[c][i] for c in ACCOUNTING if cols[c][i] is not None}
@@ -141,10 +142,10 @@ def _last(times: list[Any] | None) -> float:
     return float(times[-1]) if times else 0.0
 
 
-def _module_calls(trace: Trace) -> list[dict[str, Any]]:
+def _module_calls(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Module calls, one track per pass and depth; a call cut where the next one on its track begins."""
     by_track: dict[int, list[dict[str, Any]]] = {}
-    for span in module_spans(trace):
+    for span in spans:
         by_track.setdefault(_PASS_TID[span["kind"]] + (span["depth"] or 0), []).append(span)
     out = []
     for tid, spans in by_track.items():
