@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 from memdoctor.api import profile
 from memdoctor.config import PlanConfig, load_config
 from memdoctor.errors import ConfigError, MemdoctorError, TraceError, UsageError
 from memdoctor.trace import FORMAT_VERSION, Trace, load_trace
 from memdoctor.version import __version__
+
+if TYPE_CHECKING:
+    from memdoctor.frames import TraceFrames
 
 __all__ = [
     "FORMAT_VERSION",
@@ -20,6 +24,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "apply",
+    "load",
     "load_config",
     "load_trace",
     "profile",
@@ -34,3 +39,14 @@ def apply(config: PlanConfig, model: Any, optimizer: Any = None, loader: Any = N
     from memdoctor.levers.apply import apply as _apply
 
     return _apply(config, model, optimizer, loader)
+
+
+def load(path: str | os.PathLike[str], *, salvage: bool = False) -> TraceFrames:
+    """Read a trace for notebooks and pipelines: its ledger, steps, timeline and findings as pandas
+    DataFrames (``memdoctor.frames``, ``docs/notebook.md``).
+
+    Imported on first use, like ``apply``: ``import memdoctor`` loads neither pandas nor the report.
+    """
+    from memdoctor.frames import load as _load
+
+    return _load(path, salvage=salvage)

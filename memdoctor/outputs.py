@@ -11,6 +11,9 @@ The policy, in one place:
   folder inside the trace's folder (``--force`` overwrites the two files beside the trace instead).
 - Nothing is ever deleted. With ``--force`` memdoctor only overwrites the files it writes itself
   (``OWN_FILES``); anything else in the folder is left alone.
+- Files are written whole (``atomic_write``: a temp file beside the target, then ``os.replace``) with
+  the mode a plain ``open()`` would give them, ``0o666`` less the user's umask (``file_mode``), so a CI
+  artefact or a shared folder can serve them (a bare ``mkstemp`` would leave them ``0o600``).
 - One run, one folder: a profile holds its folder (``FolderClaim``: an exclusive lock on
   ``LOCK_NAME`` inside it) from the moment it chooses it until its last file is written. A second run
   is refused with one line naming the holder (``-o DIR``, ``--force`` too), or, without ``-o``, takes
@@ -315,3 +318,39 @@ def round_folder(out_dir: Path, stem: str, k: int) -> Path:
     ``OUT/stem`` for round 1, ``OUT/stem-k`` after (``--verify``'s rounds, ``--reprofile``'s runs),
     never over the first run's files."""
     return ensure_writable(out_dir / (stem if k == 1 else f"{stem}-{k}"))
+
+
+def file_mode() -> int:
+    """The mode a new file gets from a plain ``open()``: ``0o666`` less the process's umask.
+
+    Read from ``/proc/self/status`` where Linux has it, because the portable way (``os.umask`` set and
+    set back) leaves the umask at 0 for a moment, process-wide: a file another thread of the user's
+    script creates in that moment would be world-writable."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # the fallback: briefly the strictest mask, never 0
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8) via a temp file in the same folder and ``os.replace``, so a reader
+    never sees half a file, with the user's normal permissions (``file_mode``); an ``OutputError``
+    naming the file when it cannot be written."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; check the output folder") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None

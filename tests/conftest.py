@@ -51,6 +51,7 @@ FAST_FILES = frozenset(
         "test_script_knobs.py",
         "test_device_stats.py",
         "test_devicefacts.py",
+        "test_frames.py",
         "test_gradnorms.py",
         "test_histograms.py",
         "test_history.py",
@@ -62,6 +63,7 @@ FAST_FILES = frozenset(
         "test_optimizers.py",
         "test_run_guards.py",
         "test_outside_modules.py",
+        "test_permissions.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",
         "test_plan_full_offload.py",
@@ -86,6 +88,7 @@ FAST_FILES = frozenset(
         "test_trace_writer_caps.py",
         "test_transfers.py",
         "test_verify_failures.py",
+        "test_viewers.py",
     }
 )
 

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Sequence
 
 from memdoctor import exitcodes
-from memdoctor.cli import check, diff, plan, profile, report, run
+from memdoctor.cli import check, diff, plan, profile, report, run, timeline
 from memdoctor.cli.arguments import PROG, Command, Parser, split_script_args
 from memdoctor.cli.terminal import BUG_LINE, one_line, say
 from memdoctor.errors import MemdoctorError
@@ -26,6 +26,7 @@ COMMANDS: list[Command] = [
     plan.COMMAND,
     check.COMMAND,
     diff.COMMAND,
+    timeline.COMMAND,
 ]
 
 

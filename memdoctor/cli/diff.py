@@ -23,8 +23,8 @@ def configure_diff(p: argparse.ArgumentParser) -> None:
 
 def diff_command(ns: argparse.Namespace) -> int:
     from memdoctor.compare import diff_runs, load_run
+    from memdoctor.outputs import atomic_write
     from memdoctor.report.diff import DIFF_FILENAME, render_diff_html
-    from memdoctor.report.render import atomic_write
 
     data = diff_runs(load_run(ns.a), load_run(ns.b))
     print_diff(data)

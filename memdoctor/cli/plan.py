@@ -102,8 +102,7 @@ def write_plan_config(
     if out_dir is None:
         return None
     from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
-    from memdoctor.outputs import ensure_writable
-    from memdoctor.report.render import atomic_write
+    from memdoctor.outputs import atomic_write, ensure_writable
 
     target = out_dir / CONFIG_FILENAME
     if target.exists() and not force:

@@ -39,7 +39,7 @@ def run_round(
     out = round_folder(request.out_dir, "verify", k)
     steps = max(request.steps, VERIFY_STEPS)
     result = run(dataclasses.replace(request, out_dir=out, config=config.as_dict(), steps=steps))
-    from memdoctor.report.render import atomic_write  # the report layer's writer; imported late (matplotlib)
+    from memdoctor.outputs import atomic_write
 
     atomic_write(out / CONFIG_FILENAME, dump_config(config))  # what this round applied, for the user
     measured = measure(read_trace(result.trace_path), result.summary)

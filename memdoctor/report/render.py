@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import shlex
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from memdoctor.analysis.notes import collector_note
 from memdoctor.analysis.steps import peak_step, timeline_series
 from memdoctor.analysis.summary import shown_events
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
-from memdoctor.errors import OutputError
+from memdoctor.outputs import atomic_write
 from memdoctor.report import plots, plots_heatmap
 from memdoctor.report.sections import report_sections
 from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, embedded_summary, summary_json
@@ -108,21 +107,6 @@ def write_report(trace: Trace, out_dir: Path, summary: dict[str, Any] | None = N
         paths["config"] = out_dir / CONFIG_FILENAME
         atomic_write(paths["config"], dump_config(config))
     return paths
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and ``os.replace``, so a reader never sees half a file."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; check the output folder") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 # ----------------------------------------------------------------------------------------- context

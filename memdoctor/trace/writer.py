@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from memdoctor.outputs import file_mode
 from memdoctor.trace.records import MAX_DECOMPRESSED_BYTES, MAX_RECORD_CHARS, MAX_RECORDS, Trace
 from memdoctor.trace.redact import redact_record
 
@@ -107,7 +108,7 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
         for rec in trace.records():
             writer.write(rec)
         writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, file_mode())  # mkstemp's 0o600 would keep the trace from a shared folder
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -152,12 +153,6 @@ def _len(column: Any) -> int:
 def _dumps(record: dict[str, Any]) -> bytes:
     text = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default)
     return text.encode()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _json_default(obj: Any) -> Any:
