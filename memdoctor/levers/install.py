@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memdoctor.capture.hostoptimizer import OWN_OPTIMIZERS
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.config.file import config_from_mapping
 from memdoctor.errors import ConfigError
@@ -28,6 +26,7 @@ from memdoctor.levers import FrameworkPatch
 from memdoctor.levers.apply import SeeSaved, _allocator, can_see_through, checkpoint_module, no_kv_cache
 from memdoctor.levers.autocast import LossScaling, autocast_forward
 from memdoctor.levers.backward import BackwardPatch
+from memdoctor.levers.firststep import forward_called, offloaded_only
 from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
 from memdoctor.levers.loopsplit import LoopSplit
@@ -38,7 +37,7 @@ from memdoctor.levers.offload_full import FullOffload, model_for, not_sharded
 from memdoctor.levers.padding import PaddingTrim
 from memdoctor.levers.scriptargs import ScriptArguments
 from memdoctor.levers.targets import ModelWatch, describes, optimizers_of
-from memdoctor.patching import Undo, wrap_forward
+from memdoctor.patching import Undo
 from memdoctor.units import first_names
 
 Say = Callable[[str], None]
@@ -202,7 +201,9 @@ class Installation:
         if accumulation:
             self._micro_batching(root, scaling)
         if precision or accumulation:
-            self._undo.append(_forward_called(self, root, "precision" if precision else "accumulation_steps"))
+            self._undo.append(
+                forward_called(self.fail, root, "precision" if precision else "accumulation_steps")
+            )
             if self._watch is not None and self._watch.found_at_forward:
                 self.say(
                     f"note: {cls} was found at its first forward (the script builds no optimizer): "
@@ -265,7 +266,7 @@ class Installation:
                 + "".join(f"; {n}" for n in offload.notes)
             )
         if state:
-            self._undo.append(_offloaded_only(self, root, optimizers))
+            self._undo.append(offloaded_only(self.fail, root, optimizers))
 
     def _precision(self, root: nn.Module) -> LossScaling | None:
         c = self.config
@@ -307,57 +308,6 @@ class Installation:
 
 def _mib(params: list[nn.Parameter]) -> str:
     return f"{sum(p.numel() * p.element_size() for p in params) / 2**20:.1f}"
-
-
-def _offloaded_only(inst: Installation, root: nn.Module, offloaded: list[Any]) -> Undo:
-    """An optimizer of the model built after it was found (a second one) has no offload: the first time
-    it steps, stop, naming it, rather than silently keep its state on the device."""
-    looked: set[int] = {id(o) for o in offloaded}
-
-    def check(opt: Any, args: Any, kwargs: Any) -> None:
-        if id(opt) in looked:
-            return
-        looked.add(id(opt))
-        if opt in optimizers_of(root):
-            inst.fail(
-                f"optimizer: offload: {type(opt).__name__}, built after the model's first optimizer, is "
-                "not offloaded (memdoctor run offloads the optimizers that exist when the model is found)"
-            )
-
-    return register_optimizer_step_pre_hook(check).remove
-
-
-def _forward_called(inst: Installation, root: nn.Module, part: str) -> Undo:
-    """Autocast and micro-batching wrap the model's forward: if the first optimizer step ends and it
-    was never called (a LightningModule whose training_step calls ``self.model`` directly), the part
-    did not apply to that step, and the run stops naming it before the next."""
-    calls = [0]
-    handle: Any = None
-
-    def count(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return inner(*args, **kwargs)
-
-    def first_step(opt: Any, args: Any, kwargs: Any) -> None:
-        if opt in OWN_OPTIMIZERS:  # memdoctor's own measurement, not the script's step
-            return
-        handle.remove()
-        if not calls[0]:
-            inst.fail(
-                f"{part}: {type(root).__name__}.forward, which memdoctor wraps, was not called in the "
-                "first optimizer step (the script calls a submodule directly?); remove it from the "
-                "config, or apply it in code with memdoctor.apply"
-            )
-
-    undo = wrap_forward(root, count)
-    # after the step: an optimizer step with a closure (Lightning) runs the forward inside it
-    handle = register_optimizer_step_post_hook(first_step)
-
-    def remove() -> None:
-        handle.remove()
-        undo()
-
-    return remove
 
 
 def install(
