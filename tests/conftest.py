@@ -63,6 +63,7 @@ FAST_FILES = frozenset(
         "test_optimizers.py",
         "test_run_guards.py",
         "test_outside_modules.py",
+        "test_levers_step_hooks.py",
         "test_permissions.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",

@@ -38,16 +38,19 @@ def forward_called(fail: Callable[[str], None], root: nn.Module, part: str) -> U
     was never called (a LightningModule whose training_step calls ``self.model`` directly), the part
     did not apply to that step, and the run stops naming it before the next."""
     calls = [0]
-    handle: Any = None
+    stepped = [False]
 
     def count(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return inner(*args, **kwargs)
 
     def first_step(opt: Any, args: Any, kwargs: Any) -> None:
-        if opt in OWN_OPTIMIZERS:  # memdoctor's own measurement, not the script's step
+        # Spent after the first step, not removed: removing a global step hook from inside it makes
+        # the script's step() raise "OrderedDict mutated during iteration" when another global hook
+        # follows (torch iterates them live). OWN: memdoctor's own measurement, not the script's step.
+        if stepped[0] or opt in OWN_OPTIMIZERS:
             return
-        handle.remove()
+        stepped[0] = True
         if not calls[0]:
             fail(
                 f"{part}: {type(root).__name__}.forward, which memdoctor wraps, was not called in the "

@@ -55,6 +55,7 @@ class ModelWatch:
         self.found_at_forward = False  # found at its first forward: the script built no optimizer
         self._depth = 0
         self._passed: set[int] = set()  # top-level modules called and not taken
+        self._stopped = False
 
     def start(self) -> Undo:
         original = torch.optim.Optimizer.__init__
@@ -66,20 +67,30 @@ class ModelWatch:
                 watch._built(opt)
 
         def first_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if opt in OWN_OPTIMIZERS:  # memdoctor's own measurement, not the script's step
+            if watch._stopped or opt in OWN_OPTIMIZERS:  # OWN: memdoctor's measurement, not the script's
                 return
             watch.stop()
             watch._on_missing()
 
+        self._stopped = False
         self._undo = [
             set_attr(torch.optim.Optimizer, "__init__", __init__),
-            register_optimizer_step_pre_hook(first_step).remove,
             register_module_forward_pre_hook(self._forward_pre).remove,
             register_module_forward_hook(self._forward_post, always_call=True).remove,
         ]
-        return self.stop
+        # Not removed by ``stop``, which may run inside it: torch iterates its global step hooks while
+        # calling them, and a hook removed then makes the script's ``step()`` raise "OrderedDict mutated
+        # during iteration" whenever another global hook follows it. Spent, it returns at once.
+        step_hook = register_optimizer_step_pre_hook(first_step)
+
+        def close() -> None:
+            self.stop()
+            step_hook.remove()
+
+        return close
 
     def stop(self) -> None:
+        self._stopped = True
         while self._undo:
             self._undo.pop()()
 
