@@ -76,7 +76,7 @@ def memory_parts(
             f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
             "gradients (it comes mid-backward; calibrated on the GPU)"
         )
-    return {
+    parts = {
         "parameters": params,
         "gradients": grads,
         "optimizer_state": optimizer_bytes(w, config, assumptions),
@@ -90,6 +90,32 @@ def memory_parts(
         if w.adds_autocast(config.precision)
         else 0,
     }
+    joined = joined_outputs(w, config, assumptions)
+    if joined:
+        parts["joined_outputs"] = joined
+    return parts
+
+
+def joined_outputs(w: Workload, config: Config, assumptions: list[str]) -> int:
+    """What a split inside the forward holds beyond its micro-batch's share of the forward's outputs.
+
+    Why: ``memdoctor.levers.microbatch`` keeps the earlier micro-batches' outputs (detached) while the
+    last one runs, and joins them back for the script, so the whole batch's outputs (a language model's
+    logits) are held at every micro-batch count; the micro-batch's own share is in the scaled
+    temporaries, the other ``(k-1)/k`` is this part. A minimal GPT's 2.47 GB of logits, scaled with the
+    micro-batch, left its plan 7.5% under the measured peak on the H200 (BENCHMARKS.md). The script's
+    own arguments and the DataLoader split run the loop on each micro-batch: there they scale."""
+    k = config.accumulation_steps
+    if k == 1 or w.split.kind != "forward" or not w.root_output_bytes:
+        return 0
+    held = int(w.root_output_bytes * (k - 1) / k * padding_scale(w, config))
+    assumptions.append(
+        f"the split inside the forward keeps the whole batch's outputs ({w.root_output_bytes} bytes "
+        f"besides the loss: the earlier {k - 1} micro-batches' while the last runs, then joined): "
+        f"{held} bytes more than the micro-batch's own (at their measured dtype: an upper bound where "
+        "autocast is added)"
+    )
+    return held
 
 
 def amp_assumption(w: Workload, config: Config, assumptions: list[str]) -> None:

@@ -158,6 +158,22 @@ def reprofile_splits(trace: Trace | Any) -> list[Split]:
     return found
 
 
+def output_bytes(trace: Trace | Any, batch: int | None) -> int:
+    """Bytes of what the trained model's forward returns besides its loss, at ``batch`` (the measured
+    batch): the loop facts' ``outputs`` (docs/trace-format.md), scaled from the batch they were
+    measured at (a split forward that returned its last micro-batch's outputs). A split inside the
+    forward holds them whole at every micro-batch count (``memdoctor.plan.memory``). 0 where not
+    recorded (older traces, a run that died in its first forward)."""
+    loop = _facts(trace).get("loop")
+    found = loop.get("outputs") if isinstance(loop, dict) else None
+    if not isinstance(found, dict):
+        return 0
+    total, measured = _int(found.get("bytes")), _int(found.get("batch"))
+    if total is None:
+        return 0
+    return total * batch // measured if batch and measured else total
+
+
 def _facts(trace: Trace | Any) -> dict[str, Any]:
     collected = getattr(trace, "collected", None) or {}
     facts = collected.get("data") if isinstance(collected, dict) else None
