@@ -76,9 +76,8 @@ def test_a_forward_split_reprofile_keeps_the_outputs_it_measured_whole(k: int) -
     assert scaled.temporaries == (measured.temporaries - OUTPUTS) * k + OUTPUTS
     assert scaled.activations == measured.activations * k
     assert scaled.root_output_bytes == OUTPUTS
-    assert scaled.peak_bytes == measured.peak_bytes + (measured.activations + measured.temporaries - OUTPUTS) * (
-        k - 1
-    )
+    grown = (measured.activations + measured.temporaries - OUTPUTS) * (k - 1)
+    assert scaled.peak_bytes == measured.peak_bytes + grown
     again = predict(scaled, Config(accumulation_steps=k)).breakdown
     assert abs(again["temporaries"] + again["joined_outputs"] - measured.temporaries) <= 1
     assert again["activations"] == measured.activations
