@@ -14,7 +14,8 @@ every module, and records that run's ``Workload``, scaled back to the full batch
 micro-batch is multiplied by ``k``: the activations at the peak, the temporaries, what each
 checkpoint candidate frees (the ledger keeps one micro-batch's figure: the largest call). What does not
 is kept: parameters, gradients, optimizer state and the fixed rest, and, where the re-profile split
-inside the forward, the forward's outputs, which that split holds for the whole batch (``full_batch``).
+inside the forward, what that split held of the forward's outputs beyond its micro-batch's share
+(``full_batch``).
 Times stay as measured: the re-profiled step ran the full batch, in ``k`` micro-batches (a module's
 forward time sums its calls).
 """
@@ -28,6 +29,7 @@ from typing import Any
 from memdoctor.analysis.layers import layer_table
 from memdoctor.analysis.steps import category_columns, peak_step
 from memdoctor.plan.measure import measured_workload
+from memdoctor.plan.memory import held_outputs
 from memdoctor.plan.padding import Padding
 from memdoctor.plan.splits import AS_BEFORE, Split, split_from_record
 from memdoctor.plan.workload import Candidate, ParamHolder, Workload
@@ -99,12 +101,12 @@ def state_beyond(trace: Trace, optimizers: tuple[str, ...] | list[str], budget: 
 
 def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -> Workload:
     """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring). Split inside
-    the forward (``w.split``: the split the re-profile used), the run held the whole batch's outputs
-    already (``memory.joined_outputs``): the share of its temporaries they take is kept, not
+    the forward (``w.split``: the split the re-profile used), the run held more of the forward's outputs
+    than its micro-batch's share (``memory.held_outputs``): that part of its temporaries is not
     multiplied, so that the plan at ``k`` predicts what the re-profile measured."""
     part = f" ({batch // k} of {batch})" if batch and batch % k == 0 else ""
     outputs = _full_outputs(w, k, batch)
-    held = min(outputs, w.temporaries) if w.split.kind == "forward" else 0
+    held = min(held_outputs(outputs, k), w.temporaries) if w.split.kind == "forward" else 0
     note = (
         f"planned from a re-profile at micro-batch 1/{k}{part}: the run as it is died before its forward "
         f"finished. Activations, temporaries and what each module frees when checkpointed are that run's "
@@ -112,13 +114,13 @@ def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -
         "micro-batches, is taken as the full batch's"
     )
     if held:
-        note += f"; the whole batch's outputs ({held} bytes), held at every micro-batch there, are kept"
-    grown = (w.activations + w.temporaries - held) * (k - 1)
+        note += f"; the earlier micro-batches' outputs its split held ({held} bytes) are not multiplied"
+    temporaries = (w.temporaries - held) * k
     return dataclasses.replace(
         w,
-        peak_bytes=w.peak_bytes + grown,
+        peak_bytes=w.peak_bytes + w.activations * (k - 1) + temporaries - w.temporaries,
         activations=w.activations * k,
-        temporaries=(w.temporaries - held) * k + held,
+        temporaries=temporaries,
         attention_temporaries=w.attention_temporaries * k,
         candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * k) for c in w.candidates],
         batch_size=batch or (w.batch_size * k if w.batch_size else None),

@@ -7,8 +7,9 @@ Read from the data collector's ``loop`` facts (docs/trace-format.md), in the ord
    ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
    effective batch unchanged (``memdoctor.levers.scriptargs``). First: the script's own loop then
    runs each micro-batch, so everything it holds per batch shrinks with it. A split inside the
-   forward hands the loop the whole batch's outputs (a minimal GPT's fp32 logits, 2.47 GB on the
-   H200, were held at micro-batch 1/2 and 1/4 alike).
+   forward keeps the earlier micro-batches' outputs while the last one runs (a minimal GPT's logits:
+   0.41 and 0.63 GB more than its own loop at 3 and 4 micro-batches on the H200; the memory model
+   counts them, ``memory.held_outputs``).
 2. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
 3. ``loader``: the loop computes the loss, its training batches come from a DataLoader read at most
