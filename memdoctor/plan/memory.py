@@ -117,8 +117,8 @@ def joined_outputs(w: Workload, config: Config, assumptions: list[str]) -> int:
     assumptions.append(
         f"the split inside the forward keeps the earlier {k - 1} micro-batches' outputs (of "
         f"{w.root_output_bytes} bytes besides the loss for the whole batch) while the last one runs, "
-        f"{kept}: {held} bytes more "
-        "at the peak (at their measured dtype: an upper bound where autocast is added)"
+        f"{kept}: {held} bytes more at the peak (at their measured dtype: an upper bound where "
+        "autocast is added)"
     )
     return held
 

@@ -15,9 +15,8 @@ micro-batch is multiplied by ``k``: the activations at the peak, the temporaries
 checkpoint candidate frees (the ledger keeps one micro-batch's figure: the largest call). What does not
 is kept: parameters, gradients, optimizer state and the fixed rest, and, where the re-profile split
 inside the forward, what that split held of the forward's outputs beyond its micro-batch's share
-(``full_batch``).
-Times stay as measured: the re-profiled step ran the full batch, in ``k`` micro-batches (a module's
-forward time sums its calls).
+(``full_batch``). Times stay as measured: the re-profiled step ran the full batch, in ``k``
+micro-batches (a module's forward time sums its calls).
 """
 
 from __future__ import annotations

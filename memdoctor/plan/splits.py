@@ -163,7 +163,7 @@ def output_bytes(trace: Trace | Any, batch: int | None) -> int:
     """Bytes of what the trained model's forward returns besides its loss, at ``batch`` (the measured
     batch): the loop facts' ``outputs`` (docs/trace-format.md), scaled from the batch they were
     measured at (a split forward that returned its last micro-batch's outputs). A split inside the
-    forward holds them whole at every micro-batch count (``memdoctor.plan.memory``). 0 where not
+    forward keeps the earlier micro-batches' (``memdoctor.plan.memory.held_outputs``). 0 where not
     recorded (older traces, a run that died in its first forward)."""
     loop = _facts(trace).get("loop")
     found = loop.get("outputs") if isinstance(loop, dict) else None

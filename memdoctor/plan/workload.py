@@ -108,9 +108,9 @@ class Workload:
     outside_bytes: int = 0
     # Bytes of what the trained model's forward returns besides its loss (a language model's logits), at
     # the full batch (``splits.output_bytes``): a split inside the forward keeps the earlier
-    # micro-batches' outputs while the later ones run and joins them back, so they do not shrink with
-    # the micro-batch there (``memory.joined_outputs``); they do under the script's own arguments and the
-    # DataLoader split. 0: not measured.
+    # micro-batches' outputs while the last one runs, so they do not all shrink with the micro-batch
+    # there (``memory.held_outputs``); they do under the script's own arguments and the DataLoader
+    # split. 0: not measured.
     root_output_bytes: int = 0
     # The autocast the script runs under itself ("bf16", "fp16"; None: none), measured by the precision
     # collector; ``script_precision`` is its one-line description (None: not measured, fp32 assumed).
