@@ -260,13 +260,16 @@ class DataCollector(Collector):
                 self._emit_facts()
         if hasattr(root, "register_forward_pre_hook"):
             self._hooks.append(root.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
-            self._hooks.append(root.register_forward_hook(self._forward_post))
+            self._hooks.append(root.register_forward_hook(self._forward_post, with_kwargs=True))
 
-    def _forward_post(self, module: nn.Module, args: Any, out: Any) -> None:
-        """Where the trained model's loss is, from its first training forward (``LoopFacts``). Not
-        inside torch.compile'd code (``memdoctor.capture.compiled``): it writes a trace record."""
+    def _forward_post(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        """Where the trained model's loss is and what its output holds, from its first training forward
+        (``LoopFacts``). Not inside torch.compile'd code (``memdoctor.capture.compiled``): it writes a
+        trace record. ``rest``: the kwargs and the output (torch calls a hook removed during the same
+        call, by the session stopping, with the output alone)."""
         if self._active and not compiling():
-            self._safely(self._loop.forward_output, module, out)
+            kwargs = rest[0] if len(rest) == 2 else {}
+            self._safely(self._loop.forward_output, module, rest[-1], (args, kwargs))
 
     def _forward_pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None

@@ -95,6 +95,55 @@ def _members(out: Any) -> list[tuple[LossPath, Any]]:
     return []
 
 
+def output_fact(out: Any, inputs: Any) -> dict[str, Any]:
+    """The trace's record of what a forward's output holds besides its loss: ``{"bytes": ..., "batch":
+    ...}``. A split inside the forward (``memdoctor.levers.microbatch``) keeps the earlier micro-batches'
+    outputs while the last one runs, so they do not shrink with the micro-batch as the rest does (a
+    minimal GPT's logits on the H200: 0.63 GB more at 4 micro-batches); the planner needs their size.
+    ``bytes``: the storages of every tensor of the output but the loss, each once; ``batch``: the size
+    of the output's batch dimension (the call's batch size where every such tensor has it, else the
+    size their first dimension shares: a split forward that returned only its last micro-batch's
+    outputs), None where none is found. Shapes and sizes only: no device work."""
+    loss = find_loss(out).loss
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    shaped: list[torch.Tensor] = []
+    for t in _output_tensors(out):
+        if t is loss:
+            continue
+        key = _storage(t)
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+        if t.dim() > 0:
+            shaped.append(t)
+    batch = batch_size_of(shaped, batch_size_of(inputs)) if shaped else None
+    return {"bytes": total, "batch": batch}
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the storage behind ``t``; a tensor without one (sparse) counts its elements."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(t), t.numel() * t.element_size()
+
+
+def _output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output, as the forward split keeps them (``levers.outputs.detached``:
+    mappings and HF ``ModelOutput``, lists, tuples, dataclass fields)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in _output_tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _output_tensors(v)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in _output_tensors(getattr(out, f.name, None))]
+    return []
+
+
 def loss_fact(out: Any) -> dict[str, Any]:
     """The trace's record of where a forward's loss is: ``{"in_forward": bool, "at": ..., "why": ...}``."""
     found = find_loss(out)
@@ -201,6 +250,7 @@ class LoopFacts:
     def __init__(self, changed: Callable[[], None]) -> None:
         self._changed = changed
         self.loss: dict[str, Any] | None = None
+        self.outputs: dict[str, Any] | None = None
         self.loader = False
         self.torch_optim = False
         self.knobs: dict[str, Any] | None = None
@@ -212,6 +262,7 @@ class LoopFacts:
     def as_field(self) -> dict[str, Any]:
         return {
             "loss": self.loss,
+            "outputs": self.outputs,
             "loader": self.loader,
             "torch_optim": self.torch_optim,
             "knobs": self.knobs,
@@ -227,10 +278,12 @@ class LoopFacts:
         if self._configured():  # a run that died in its first forward: its re-profile may use them
             self._changed()
 
-    def forward_output(self, module: torch.nn.Module, out: Any) -> None:
-        """The trained root's first training forward: where its loss is (``loss_fact``)."""
+    def forward_output(self, module: torch.nn.Module, out: Any, inputs: Any = None) -> None:
+        """The trained root's first training forward (called with ``inputs``, its args and kwargs):
+        where its loss is (``loss_fact``) and what else its output holds (``output_fact``)."""
         if self.loss is None and module.training and torch.is_grad_enabled():
             self.loss = loss_fact(out)
+            self.outputs = output_fact(out, inputs)
             self._configured()
             self._changed()
 

@@ -257,8 +257,8 @@ def _one(
     if finish:
         measured = result.exit_code == exitcodes.OK
     if measured and trace is not None and result.summary is not None and missing == []:
-        w = reprofile_workload(trace, result.summary, k, batch, oom_budget)
-        w = None if w is None else dataclasses.replace(w, split=split)  # the split that measured it
+        # planned with the split that measured it
+        w = reprofile_workload(trace, result.summary, k, batch, oom_budget, split)
     shape = {"accumulation_steps": k, "micro_batch": micro, "split": split.kind}
     r = round_entry(n, shape, out, result, missing, measured=w is not None)
     verdict = (

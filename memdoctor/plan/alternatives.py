@@ -112,6 +112,8 @@ def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> lis
         config = dataclasses.replace(config, padding="trim", pad_to_multiple_of=PAD_MULTIPLE)
         stages.append(config)
     for a in accumulations(w)[1:]:
+        if a & (a - 1):  # halving by hand: 2, 4, 8 (the planner also tries 3 and 6)
+            continue
         config = dataclasses.replace(config, accumulation_steps=a)
         stages.append(config)
     fp16 = w.precision_verdict == "fp16_safe" and w.has_optimizer  # its GradScaler needs an optimizer

@@ -15,7 +15,7 @@ from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
 from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.padding import padding_facts
-from memdoctor.plan.splits import split_of
+from memdoctor.plan.splits import output_bytes, split_of
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
 
@@ -117,6 +117,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
         shard_units=shard_units(trace, notes),
         outside_bytes=_outside_bytes(outside, notes),
+        root_output_bytes=output_bytes(trace, batch_size(summary)),
         script_autocast=script.get("autocast"),
         script_precision=script.get("text"),
         script_tf32=(script.get("tf32") or {}).get("matmul_tf32")
@@ -218,7 +219,9 @@ def _reserved_ratio(trace: Trace, summary: dict[str, Any]) -> float:
 
 def _outside_bytes(outside: list[dict[str, Any]], notes: list[str]) -> int:
     """What code outside every child module holds (saved and temporary), and a note naming its
-    largest line: the plan keeps it under every lever but the micro-batch (and padding)."""
+    largest line: the plan keeps it under every lever but the micro-batch (and padding). What the
+    root's code saves for backward is freed by each micro-batch's backward, even under a split inside
+    the forward (what the forward returns is not: ``Workload.root_output_bytes``)."""
     total = sum(r["activation_bytes"] + r["temporary_bytes"] for r in outside)
     if total:
         top = outside[0]

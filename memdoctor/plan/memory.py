@@ -76,7 +76,7 @@ def memory_parts(
             f"with checkpointing alone the backward peak holds {CHECKPOINT_GRADIENT_SHARE:.0%} of the "
             "gradients (it comes mid-backward; calibrated on the GPU)"
         )
-    return {
+    parts = {
         "parameters": params,
         "gradients": grads,
         "optimizer_state": optimizer_bytes(w, config, assumptions),
@@ -90,6 +90,60 @@ def memory_parts(
         if w.adds_autocast(config.precision)
         else 0,
     }
+    joined = joined_outputs(w, config, assumptions)
+    if joined:
+        parts["joined_outputs"] = joined
+    return parts
+
+
+# The earlier micro-batches' outputs a split inside the forward joins back for the script, at most (the
+# same as ``memdoctor.levers.microbatch.MAX_KEPT_BYTES``; a test keeps them equal): larger ones are
+# dropped when its forward returns, and the script gets the last micro-batch's.
+KEPT_OUTPUT_BYTES = 256 << 20
+
+
+def joined_outputs(w: Workload, config: Config, assumptions: list[str]) -> int:
+    """What a split inside the forward holds beyond its micro-batch's share of the forward's outputs
+    (``held_outputs``), where it applies: ``config`` splits the batch in the forward."""
+    k = config.accumulation_steps
+    if k == 1 or w.split.kind != "forward" or not w.root_output_bytes:
+        return 0
+    held = int(held_outputs(w.root_output_bytes, k) * padding_scale(w, config))
+    kept = (
+        "joined back for the script, into its backward"
+        if joined_back(w.root_output_bytes, k)
+        else "dropped before its backward, where the gradient of the last one's takes their place"
+    )
+    assumptions.append(
+        f"the split inside the forward keeps the earlier {k - 1} micro-batches' outputs (of "
+        f"{w.root_output_bytes} bytes besides the loss for the whole batch) while the last one runs, "
+        f"{kept}: {held} bytes more at the peak (at their measured dtype: an upper bound where "
+        "autocast is added)"
+    )
+    return held
+
+
+def joined_back(outputs: int, k: int) -> bool:
+    """Whether the split inside the forward joins the earlier micro-batches' outputs back (small ones)."""
+    return outputs * (k - 1) // k <= KEPT_OUTPUT_BYTES
+
+
+def held_outputs(outputs: int, k: int) -> int:
+    """Bytes a split inside the forward into ``k`` holds at its peak beyond one micro-batch's share of
+    the forward's ``outputs`` (the whole batch's), which the scaled temporaries already count.
+
+    Why: ``memdoctor.levers.microbatch`` keeps the earlier micro-batches' outputs while the last one runs
+    (a language model's logits), so they do not shrink with the micro-batch as the rest does. Joined
+    back (``joined_back``), the whole batch's stay into the script's backward: ``(k-1)/k`` more. Dropped
+    (larger ones), they are gone before the backward, which holds the gradient of the last micro-batch's
+    outputs instead, the size of its outputs: ``(k-2)/k`` more at the peak (none at k = 2). Measured on
+    the H200 (``benchmarks/forward_split_check.sh``): the minimal GPT's bf16 logits (1.24 GB for 12 x
+    1024 tokens) added 0.01, 0.41 and 0.63 GB to the peak of its own loop over 2, 3 and 4
+    micro-batches; (k-2)/k of them is 0, 0.41 and 0.62 (with (k-1)/k the plan at k = 2 was 5.4% over);
+    scaled with the micro-batch as before, its forward split was 1.6, 8.4 and 13.3% under-predicted."""
+    if k <= 1:
+        return 0
+    return outputs * (k - 1) // k if joined_back(outputs, k) else outputs * (k - 2) // k
 
 
 def amp_assumption(w: Workload, config: Config, assumptions: list[str]) -> None:

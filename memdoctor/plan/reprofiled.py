@@ -13,8 +13,10 @@ every module, and records that run's ``Workload``, scaled back to the full batch
 (the run-wide record ``reprofile``). ``workload()`` then plans from it. What scales with the
 micro-batch is multiplied by ``k``: the activations at the peak, the temporaries, what each
 checkpoint candidate frees (the ledger keeps one micro-batch's figure: the largest call). What does not
-is kept: parameters, gradients, optimizer state and the fixed rest. Times stay as measured: the
-re-profiled step ran the full batch, in ``k`` micro-batches (a module's forward time sums its calls).
+is kept: parameters, gradients, optimizer state and the fixed rest, and, where the re-profile split
+inside the forward, what that split held of the forward's outputs beyond its micro-batch's share
+(``full_batch``). Times stay as measured: the re-profiled step ran the full batch, in ``k``
+micro-batches (a module's forward time sums its calls).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from typing import Any
 from memdoctor.analysis.layers import layer_table
 from memdoctor.analysis.steps import category_columns, peak_step
 from memdoctor.plan.measure import measured_workload
+from memdoctor.plan.memory import held_outputs
 from memdoctor.plan.padding import Padding
-from memdoctor.plan.splits import AS_BEFORE, split_from_record
+from memdoctor.plan.splits import AS_BEFORE, Split, split_from_record
 from memdoctor.plan.workload import Candidate, ParamHolder, Workload
 from memdoctor.trace import Trace
 from memdoctor.units import first_names, format_bytes
@@ -96,33 +99,57 @@ def state_beyond(trace: Trace, optimizers: tuple[str, ...] | list[str], budget: 
 
 
 def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -> Workload:
-    """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring)."""
+    """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring). Split inside
+    the forward (``w.split``: the split the re-profile used), the run held more of the forward's outputs
+    than its micro-batch's share (``memory.held_outputs``): that part of its temporaries is not
+    multiplied, so that the plan at ``k`` predicts what the re-profile measured."""
     part = f" ({batch // k} of {batch})" if batch and batch % k == 0 else ""
+    outputs = _full_outputs(w, k, batch)
+    held = min(held_outputs(outputs, k), w.temporaries) if w.split.kind == "forward" else 0
     note = (
         f"planned from a re-profile at micro-batch 1/{k}{part}: the run as it is died before its forward "
         f"finished. Activations, temporaries and what each module frees when checkpointed are that run's "
         f"x{k} (they scale with the micro-batch, an assumption); its step time, of the full batch in {k} "
         "micro-batches, is taken as the full batch's"
     )
-    grown = (w.activations + w.temporaries) * (k - 1)
+    if held:
+        note += f"; the earlier micro-batches' outputs its split held ({held} bytes) are not multiplied"
+    temporaries = (w.temporaries - held) * k
     return dataclasses.replace(
         w,
-        peak_bytes=w.peak_bytes + grown,
+        peak_bytes=w.peak_bytes + w.activations * (k - 1) + temporaries - w.temporaries,
         activations=w.activations * k,
-        temporaries=w.temporaries * k,
+        temporaries=temporaries,
         attention_temporaries=w.attention_temporaries * k,
         candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * k) for c in w.candidates],
         batch_size=batch or (w.batch_size * k if w.batch_size else None),
         as_is_oom_budget=oom_budget,
+        root_output_bytes=outputs,
         notes=[*w.notes, note],
     )
 
 
+def _full_outputs(w: Workload, k: int, batch: int | None) -> int:
+    """The forward's outputs at the full batch: measured at the re-profile's batch (the full one where
+    the forward was split, a micro-batch where the loop ran on micro-batches), scaled to ``batch``."""
+    if batch and w.batch_size:
+        return w.root_output_bytes * batch // w.batch_size
+    return w.root_output_bytes * (1 if w.split.kind == "forward" else k)
+
+
 def reprofile_workload(
-    trace: Trace, summary: dict[str, Any], k: int, batch: int | None, oom_budget: int | None
+    trace: Trace,
+    summary: dict[str, Any],
+    k: int,
+    batch: int | None,
+    oom_budget: int | None,
+    split: Split | None = None,
 ) -> Workload | None:
-    """The full-batch workload of a re-profile at micro-batch 1/``k`` (None without a memory figure)."""
+    """The full-batch workload of a re-profile at micro-batch 1/``k`` split as ``split`` (default: as
+    its trace's loop facts allow), with that split (None without a memory figure)."""
     w = measured_workload(trace, summary)
+    if w is not None and split is not None:
+        w = dataclasses.replace(w, split=split)
     return None if w is None else full_batch(w, k, batch, oom_budget)
 
 

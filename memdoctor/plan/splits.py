@@ -7,8 +7,9 @@ Read from the data collector's ``loop`` facts (docs/trace-format.md), in the ord
    ``configurator.py``; ``style`` "argv"): pass smaller batches and more accumulation steps, the
    effective batch unchanged (``memdoctor.levers.scriptargs``). First: the script's own loop then
    runs each micro-batch, so everything it holds per batch shrinks with it. A split inside the
-   forward hands the loop the whole batch's outputs (a minimal GPT's fp32 logits, 2.47 GB on the
-   H200, were held at micro-batch 1/2 and 1/4 alike).
+   forward keeps the earlier micro-batches' outputs while the last one runs (a minimal GPT's logits:
+   0.41 and 0.63 GB more than its own loop at 3 and 4 micro-batches on the H200; the memory model
+   counts them, ``memory.held_outputs``).
 2. ``forward``: the trained model's forward returns its loss (a tensor, a tuple's element, a ``loss``
    key or attribute): split inside the forward (``memdoctor.levers.microbatch``).
 3. ``loader``: the loop computes the loss, its training batches come from a DataLoader read at most
@@ -156,6 +157,22 @@ def reprofile_splits(trace: Trace | Any) -> list[Split]:
     if loop.get("loader") and not _many(loop.get("accelerate_accumulation")):
         found.append(Split("loader"))
     return found
+
+
+def output_bytes(trace: Trace | Any, batch: int | None) -> int:
+    """Bytes of what the trained model's forward returns besides its loss, at ``batch`` (the measured
+    batch): the loop facts' ``outputs`` (docs/trace-format.md), scaled from the batch they were
+    measured at (a split forward that returned its last micro-batch's outputs). A split inside the
+    forward keeps the earlier micro-batches' (``memdoctor.plan.memory.held_outputs``). 0 where not
+    recorded (older traces, a run that died in its first forward)."""
+    loop = _facts(trace).get("loop")
+    found = loop.get("outputs") if isinstance(loop, dict) else None
+    if not isinstance(found, dict):
+        return 0
+    total, measured = _int(found.get("bytes")), _int(found.get("batch"))
+    if total is None:
+        return 0
+    return total * batch // measured if batch and measured else total
 
 
 def _facts(trace: Trace | Any) -> dict[str, Any]:

@@ -13,7 +13,12 @@ from memdoctor.plan.padding import PAD_MULTIPLE
 from memdoctor.plan.target import Target
 from memdoctor.plan.workload import Workload
 
-ACCUMULATIONS = (1, 2, 4, 8)
+# Micro-batch counts searched. Not only powers of two: every split divides unevenly where it must and
+# weighs each micro-batch's loss by its share of the samples (``levers.apply.split_batch``, the forward
+# and DataLoader splits), the script's own arguments only where its batch divides (``Split.allows``), and
+# ``accumulations`` keeps divisors of the measured batch: a batch of 12 gets 3 and 6 as well (4 x 3 was
+# the minimal GPT's best hand configuration on the H200, BENCHMARKS.md).
+ACCUMULATIONS = (1, 2, 3, 4, 6, 8)
 
 
 def _free_levers(w: Workload, target: Target) -> list[dict[str, Any]]:

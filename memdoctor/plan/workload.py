@@ -106,6 +106,12 @@ class Workload:
     # loop's loss; ``analysis.layers.outside_holders``): part of ``activations`` and ``temporaries``, so
     # they scale with the micro-batch; no checkpoint candidate and no parameter offload frees them.
     outside_bytes: int = 0
+    # Bytes of what the trained model's forward returns besides its loss (a language model's logits), at
+    # the full batch (``splits.output_bytes``): a split inside the forward keeps the earlier
+    # micro-batches' outputs while the last one runs, so they do not all shrink with the micro-batch
+    # there (``memory.held_outputs``); they do under the script's own arguments and the DataLoader
+    # split. 0: not measured.
+    root_output_bytes: int = 0
     # The autocast the script runs under itself ("bf16", "fp16"; None: none), measured by the precision
     # collector; ``script_precision`` is its one-line description (None: not measured, fp32 assumed).
     script_autocast: str | None = None
