@@ -45,6 +45,30 @@ def outside_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return disable(fn) if disable is not None else fn
 
 
+# What a caller that restores the thread's dispatch keys on return uses: dynamo's wrapper of every
+# torch.compile'd call (``_ForceDispatchKeyGuard``) and its frame compiler (``_PreserveDispatchKeyGuard``).
+_KEY_GUARDS = frozenset({"_ForceDispatchKeyGuard", "_PreserveDispatchKeyGuard"})
+
+
+def in_compiled_call() -> bool:
+    """Whether the code running now was called, at any depth, from a ``torch.compile``'d function or
+    module (an eager hook such as ``outside_compiled``'s, or code between two graphs).
+
+    Why it matters: such a call saves the thread's dispatch keys on entry and forces them back on
+    return. A ``TorchDispatchMode`` entered or left inside it (the FLOP counter's) leaves the keys and
+    the mode stack out of step: a mode popped there has its Python dispatch key switched back on when
+    the compiled call returns, with no mode left to take it, and the script's next op without a tensor
+    argument (``optimizer.zero_grad()``'s ``record_function``) fails an internal assert. dynamo has no
+    public way to ask, so the Python stack is read: a frame whose code uses one of those guards is a
+    caller that will restore the keys (a false positive only delays the FLOP counter, never breaks)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not _KEY_GUARDS.isdisjoint(frame.f_code.co_names):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def compiled_inner(module: Any) -> Any:
     """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) compiles, else ``module``.
     The wrapper's call is the root call memdoctor's hooks see outside the compiled code; it stands for

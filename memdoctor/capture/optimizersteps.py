@@ -14,7 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.capture import gradnorms, gradscaler
-from memdoctor.capture.compiled import outside_compiled
+from memdoctor.capture.compiled import outside_compiled, read_counts
 from memdoctor.capture.cycle import OptimizerCycle
 
 if TYPE_CHECKING:
@@ -49,6 +49,10 @@ class OptimizerSteps:
         s = self.session
         if s._done:
             return
+        if self._compiled_step_ended():
+            s._finalize_step()
+            if s._done:
+                return
         if s._writer.pending:
             s._emit_ready(wait=False)
         s._forward.fault_at = None
@@ -69,6 +73,19 @@ class OptimizerSteps:
             if s._data.grad_norms is None:  # the step's first optimizer: no parameter updated yet
                 # Launched on the device, never read here: build_step reads them once per step.
                 s._data.grad_norms = s._calls.guarded("gradient norms", gradnorms.collect, ledger.flat_params)
+
+    def _compiled_step_ended(self) -> bool:
+        """Whether this optimizer step starts a new training step that no top-level module call began:
+        the step in progress already had its whole optimizer cycle, and no forward was seen since
+        the run began it. That is a ``torch.compile``'d training-step function (forward, backward and
+        ``optimizer.step()`` in one): the module hooks that start steps are traced away inside it
+        (``memdoctor.capture.compiled``), so its step ends here, at the next optimizer step, instead
+        of never. Only once dynamo compiled something: an eager script's steps keep ending at a
+        forward."""
+        data = self.session._data
+        if not data.opt_posts or data.forwards or not self.cycle.done():
+            return False
+        return read_counts()["frames"] > 0
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         s = self.session
