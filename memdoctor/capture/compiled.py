@@ -17,7 +17,9 @@ expected shape; otherwise nothing is recorded. dynamo is never imported here: th
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,6 +69,35 @@ def in_compiled_call() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+# The warning ``OptimizedModule.__call__`` gives on every call while any global module hook exists.
+GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+def hush_global_hooks_warning() -> Callable[[], None]:
+    """Ignore torch's global-hooks warning for a ``torch.compile(module)`` while memdoctor's own global
+    module hooks are installed; returns the undo, to call as they are removed.
+
+    Why: the warning says the hooks fire an extra time for the compiled wrapper. For memdoctor's hooks
+    that is known and handled (``compiled_inner``: the wrapper's call stands for its module), and the
+    warning is only noise in the script's output, repeated at each call site. Only that one message,
+    and only where the script had no global module hook of its own when memdoctor added its hooks
+    (call this before registering them): the script's own hooks keep their warning."""
+    has_hooks = getattr(torch.nn.modules.module, "_has_any_global_hook", None)
+    if has_hooks is None or has_hooks():
+        return lambda: None
+    warnings.filterwarnings("ignore", message=GLOBAL_HOOKS_WARNING, category=UserWarning)
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        with contextlib.suppress(ValueError):
+            warnings.filters.remove(entry)
+            mutated = getattr(warnings, "_filters_mutated", None)  # resets the once-per-place caches
+            if mutated is not None:
+                mutated()
+
+    return undo
 
 
 def compiled_inner(module: Any) -> Any:

@@ -156,7 +156,11 @@ class FlopCollector(Collector):
             "no module of the trained model ran outside torch.compile'd code in it (memdoctor's hooks "
             "stay out of compiled code, so the counter never started)"
         )
-        record = {"measured_step": self._target, "counter": COUNTER, "not_measured": f"step {self._target}: {why}"}
+        record = {
+            "measured_step": self._target,
+            "counter": COUNTER,
+            "not_measured": f"step {self._target}: {why}",
+        }
         self._session.emit(self.name, record)
 
     # -------------------------------------------------------------------- session hooks

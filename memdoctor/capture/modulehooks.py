@@ -9,10 +9,12 @@ step, instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memdoctor.capture.compiled import hush_global_hooks_warning
 from memdoctor.capture.discovery import DiscoveredModel
 from memdoctor.capture.sessionhooks import GradHook, unpack
 
@@ -28,6 +30,7 @@ class ModuleHooks:
         self.module_handles: list[Any] = []
         self.param_handles: list[Any] = []
         self.saved_ctx: Any = None
+        self.unhush: Callable[[], None] = lambda: None
 
     def set(self, on: bool, running: bool) -> None:
         """Install (``on``) or remove the module, saved-tensor and gradient hooks. The gradient hooks of
@@ -46,6 +49,7 @@ class ModuleHooks:
             # module stack unwinds with the exception (a script that catches it, or non-reentrant
             # activation checkpointing, which stops its recomputation by raising, would otherwise
             # leave frames behind and every later forward would look nested).
+            self.unhush = hush_global_hooks_warning()  # before ours are in: are there others?
             self.module_handles = [
                 mod.register_module_forward_pre_hook(s._forward.pre),
                 mod.register_module_forward_hook(s._forward.post, always_call=True),
@@ -56,6 +60,7 @@ class ModuleHooks:
             for handle in self.module_handles:
                 handle.remove()
             self.module_handles = []
+            self.unhush()
             if self.saved_ctx is not None:
                 self.saved_ctx.__exit__(None, None, None)
                 self.saved_ctx = None
