@@ -21,7 +21,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -92,7 +92,7 @@ def hush_global_hooks_warning() -> Callable[[], None]:
 
     def undo() -> None:
         with contextlib.suppress(ValueError):
-            warnings.filters.remove(entry)
+            cast(list[Any], warnings.filters).remove(entry)  # a list at run time; typeshed: Sequence
             mutated = getattr(warnings, "_filters_mutated", None)  # resets the once-per-place caches
             if mutated is not None:
                 mutated()
