@@ -152,6 +152,10 @@ class CompileWatch:
         self.base = read_counts()
         self.last: dict[str, Any] | None = None
 
+    def compiled_any(self) -> bool:
+        """Whether dynamo has looked at any frame since the session started."""
+        return read_counts()["frames"] > self.base["frames"]
+
     def field(self) -> dict[str, Any] | None:
         """The ``compile`` record's data, or None while dynamo compiled nothing in this session."""
         now = read_counts()

@@ -76,11 +76,13 @@ class FlopCollector(Collector):
         self._thread = 0
         self._tally: Tally | None = None
         self._field: dict[str, Any] | None = None
+        self._frames0 = 0
         self._stale: CountingMode | None = None  # done counting, still on the mode stack (see _pop)
 
     def start(self, session: ProfileSession) -> None:
         self._session = session
         self._target = measured_step(session.warmup)
+        self._frames0 = read_counts()["frames"]  # what dynamo had looked at before this session
         session.emit(self.name, {"measured_step": self._target, "counter": COUNTER})
 
     def stop(self) -> None:
@@ -91,7 +93,7 @@ class FlopCollector(Collector):
     def on_step_start(self, step: int, detailed: bool) -> None:
         if self._mode is not None:  # the measured step ended without its optimizer step
             self._exit(complete=False)
-        elif self._armed and step > self._target and read_counts()["frames"]:
+        elif self._armed and step > self._target and read_counts()["frames"] > self._frames0:
             self._not_measured()  # the measured step ran no module outside compiled code
         self._armed = step == self._target and self._field is None
         if self._stale is not None:

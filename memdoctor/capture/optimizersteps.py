@@ -14,7 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memdoctor.capture import gradnorms, gradscaler
-from memdoctor.capture.compiled import outside_compiled, read_counts
+from memdoctor.capture.compiled import outside_compiled
 from memdoctor.capture.cycle import OptimizerCycle
 
 if TYPE_CHECKING:
@@ -77,15 +77,16 @@ class OptimizerSteps:
     def _compiled_step_ended(self) -> bool:
         """Whether this optimizer step starts a new training step that no top-level module call began:
         the step in progress already had its whole optimizer cycle, and no forward was seen since
-        the run began it. That is a ``torch.compile``'d training-step function (forward, backward and
+        the step began. That is a ``torch.compile``'d training-step function (forward, backward and
         ``optimizer.step()`` in one): the module hooks that start steps are traced away inside it
         (``memdoctor.capture.compiled``), so its step ends here, at the next optimizer step, instead
-        of never. Only once dynamo compiled something: an eager script's steps keep ending at a
-        forward."""
-        data = self.session._data
+        of never. Only once dynamo compiled something in this session: an eager script's steps keep
+        ending at a forward."""
+        s = self.session
+        data = s._data
         if not data.opt_posts or data.forwards or not self.cycle.done():
             return False
-        return read_counts()["frames"] > 0
+        return s._writer.compiled.compiled_any()
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         s = self.session
