@@ -5,8 +5,9 @@ Before, the counter popped its dispatch mode from the optimizer hook that runs i
 call; the call's return switched the Python dispatch key back on with no mode left, and the script's
 next ``opt.zero_grad()`` died on an internal assert (``PythonFallbackKernel.cpp``). A script whose whole
 training step is compiled had its steps never closed (no module call outside compiled code starts
-one). Each case is a real ``memdoctor profile`` run (a supervised child), with dynamo's ``eager``
-backend (no C compiler needed): slow.
+one), and memdoctor's gradient and saved-tensor hooks, which its eager backward calls, were counted
+as graph breaks among the script's. Each case is a real ``memdoctor profile`` run (a supervised
+child), with dynamo's ``eager`` backend (no C compiler needed): slow.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def test_a_wholly_compiled_training_step_records_its_steps_and_says_the_flops_we
     assert "trained to the end" in output and "INTERNAL ASSERT" not in output
     assert [s.step for s in trace.steps if s.complete] == [0, 1, 2]
     assert summary["steps_profiled"] == 2
+    # The backward runs eagerly inside the compiled call: memdoctor's gradient and saved-tensor hooks
+    # stay out of dynamo (before: a dozen breaks at their storage reads, "Unsupported method call").
+    reasons = {r["reason"] for r in trace.collected["compile"]["break_reasons"]}
+    assert "Unsupported method call" not in reasons
     # No module call runs outside the compiled code: the counter never started, and says so.
     assert not any("flops" in s.collectors for s in trace.steps)
     assert summary["flops_per_step"] is None

@@ -100,6 +100,21 @@ def hush_global_hooks_warning() -> Callable[[], None]:
     return undo
 
 
+def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` kept out of dynamo (``torch.compiler.disable``) where dynamo is already loaded, else
+    ``fn`` itself: for hooks that autograd calls (gradient, saved-tensor hooks).
+
+    Why: a compiled function that calls ``loss.backward()`` runs that backward eagerly with dynamo's
+    frame callback still on, so every hook autograd calls there is a new frame dynamo tries to compile;
+    memdoctor's fail (they read storage pointers), run eagerly from then on, and each attempt counted
+    as a graph break among the script's. Disabled, dynamo leaves them alone. Only where dynamo is
+    loaded: loading it for an eager script takes seconds, and the wrapper costs a few microseconds
+    a call."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return outside_compiled(fn)
+
+
 def compiled_inner(module: Any) -> Any:
     """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) compiles, else ``module``.
     The wrapper's call is the root call memdoctor's hooks see outside the compiled code; it stands for

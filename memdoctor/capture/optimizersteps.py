@@ -93,6 +93,7 @@ class OptimizerSteps:
         if s._done:
             return
         s._ledger.in_opt = False
+        s._hooks.rearm()
         s._data.opt_bytes = s._ledger.opt_state_by_module()
         s._sample("opt_post", None, 0)
         s._data.opt_posts += 1
