@@ -6,6 +6,7 @@ slow only for dynamo's first import and tracing."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import memdoctor
+from memdoctor.capture.compiled import in_compiled_call
 from memdoctor.trace import load_trace
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -92,3 +94,68 @@ def test_a_compiled_optimizer_step_breaks_once_at_memdoctors_hook_and_says_so(tm
     assert summary["steps_profiled"] == 2  # steps were found through the compiled step
     c = summary["compiled"]
     assert c["memdoctor_breaks"] >= 1 and "memdoctor's optimizer-step hooks" in c["text"]
+
+
+def test_a_compiled_model_fed_plain_tensors_keeps_its_batch_traits_without_a_graph_break(
+    tmp_path: Path,
+) -> None:
+    """No DataLoader: the traits come from the model's call. The model's own hooks are traced away in
+    the compiled forward; the compiled wrapper's run in eager code around it."""
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memdoctor.profile(tmp_path / "o", steps=2, warmup=1, collect="data") as prof:
+        for _ in range(4):
+            out = compiled(torch.randint(0, 50, (4, 7)))
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert dict(dynamo.utils.counters["graph_break"]) == {}
+    assert prof.trace_path is not None
+    trace = load_trace(prof.trace_path)
+    for step in trace.steps[1:]:  # step 0 runs before the model is discovered (as without compile)
+        data = step.collectors["data"]
+        assert data["source"] == "forward"
+        assert [(b["batch_size"], b["shapes"]) for b in data["batches"]] == [(4, {"0": [4, 7]})]  # once
+    loss = trace.collected["data"]["loop"]["loss"]
+    assert loss is not None and loss["in_forward"] is False  # the model's output was seen
+
+
+def test_torchs_global_hooks_warning_is_hushed_only_while_memdoctors_hooks_are_in(tmp_path: Path) -> None:
+    model = nn.Linear(8, 2)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with memdoctor.profile(tmp_path / "o", steps=2, warmup=1, collect="none"):
+            for _ in range(4):
+                compiled(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        during = [w for w in seen if "global hooks" in str(w.message)]
+        # The script's own global hook: the warning is its own, and it is given.
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
+        try:
+            compiled(torch.randn(4, 8))
+        finally:
+            handle.remove()
+    assert during == []
+    assert any("global hooks" in str(w.message) for w in seen)
+
+
+def test_in_compiled_call_is_true_only_under_a_compiled_call() -> None:
+    """The FLOP counter's guard: eager code called from a compiled function (a disabled hook) is inside
+    the compiled call; the same code called eagerly is not."""
+    seen: list[bool] = []
+    probe = torch.compiler.disable(lambda: seen.append(in_compiled_call()))
+
+    @torch.compile(backend="eager")
+    def f(x: torch.Tensor) -> torch.Tensor:
+        probe()
+        return x + 1
+
+    f(torch.ones(2))
+    probe()
+    assert seen == [True, False]

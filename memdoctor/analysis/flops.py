@@ -45,7 +45,10 @@ def not_measured_reason(trace: Trace) -> str:
     for event in trace.events:
         if event.get("kind") == "collector_failed" and f"the {NAME} collector" in str(event.get("message")):
             return str(event.get("message"))
-    planned = (trace.collected.get(NAME) or {}).get("measured_step")
+    record = trace.collected.get(NAME) or {}
+    if isinstance(record.get("not_measured"), str):
+        return f"not measured in {record['not_measured']}"
+    planned = record.get("measured_step")
     if planned is not None:
         return (
             f"step {planned}, the step chosen for counting, has no FLOP count (the run ended before it, "

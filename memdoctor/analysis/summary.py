@@ -144,6 +144,9 @@ def not_measured(trace: Trace) -> list[str]:
     strides = sorted({s.timeline_stride for s in trace.steps if s.timeline_stride > 1})
     if strides:
         notes.append(f"memory timeline: downsampled (1 in {strides[-1]} samples kept at most)")
+    flops_note = (trace.collected.get("flops") or {}).get("not_measured")
+    if isinstance(flops_note, str):  # the counter stepped aside (a torch.compile'd training step)
+        notes.append(f"flops: not measured in {flops_note}")
     notes += [
         str(e.get("message"))
         for e in trace.events

@@ -17,9 +17,11 @@ expected shape; otherwise nothing is recorded. dynamo is never imported here: th
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -43,6 +45,74 @@ def outside_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     (``MEMDOCTOR_HOOKS``)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
+
+
+# What a caller that restores the thread's dispatch keys on return uses: dynamo's wrapper of every
+# torch.compile'd call (``_ForceDispatchKeyGuard``) and its frame compiler (``_PreserveDispatchKeyGuard``).
+_KEY_GUARDS = frozenset({"_ForceDispatchKeyGuard", "_PreserveDispatchKeyGuard"})
+
+
+def in_compiled_call() -> bool:
+    """Whether the code running now was called, at any depth, from a ``torch.compile``'d function or
+    module (an eager hook such as ``outside_compiled``'s, or code between two graphs).
+
+    Why it matters: such a call saves the thread's dispatch keys on entry and forces them back on
+    return. A ``TorchDispatchMode`` entered or left inside it (the FLOP counter's) leaves the keys and
+    the mode stack out of step: a mode popped there has its Python dispatch key switched back on when
+    the compiled call returns, with no mode left to take it, and the script's next op without a tensor
+    argument (``optimizer.zero_grad()``'s ``record_function``) fails an internal assert. dynamo has no
+    public way to ask, so the Python stack is read: a frame whose code uses one of those guards is a
+    caller that will restore the keys (a false positive only delays the FLOP counter, never breaks)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not _KEY_GUARDS.isdisjoint(frame.f_code.co_names):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+# The warning ``OptimizedModule.__call__`` gives on every call while any global module hook exists.
+GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+def hush_global_hooks_warning() -> Callable[[], None]:
+    """Ignore torch's global-hooks warning for a ``torch.compile(module)`` while memdoctor's own global
+    module hooks are installed; returns the undo, to call as they are removed.
+
+    Why: the warning says the hooks fire an extra time for the compiled wrapper. For memdoctor's hooks
+    that is known and handled (``compiled_inner``: the wrapper's call stands for its module), and the
+    warning is only noise in the script's output, repeated at each call site. Only that one message,
+    and only where the script had no global module hook of its own when memdoctor added its hooks
+    (call this before registering them): the script's own hooks keep their warning."""
+    has_hooks = getattr(torch.nn.modules.module, "_has_any_global_hook", None)
+    if has_hooks is None or has_hooks():
+        return lambda: None
+    warnings.filterwarnings("ignore", message=GLOBAL_HOOKS_WARNING, category=UserWarning)
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        with contextlib.suppress(ValueError):
+            cast(list[Any], warnings.filters).remove(entry)  # a list at run time; typeshed: Sequence
+            mutated = getattr(warnings, "_filters_mutated", None)  # resets the once-per-place caches
+            if mutated is not None:
+                mutated()
+
+    return undo
+
+
+def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` kept out of dynamo (``torch.compiler.disable``) where dynamo is already loaded, else
+    ``fn`` itself: for hooks that autograd calls (gradient, saved-tensor hooks).
+
+    Why: a compiled function that calls ``loss.backward()`` runs that backward eagerly with dynamo's
+    frame callback still on, so every hook autograd calls there is a new frame dynamo tries to compile;
+    memdoctor's fail (they read storage pointers), run eagerly from then on, and each attempt counted
+    as a graph break among the script's. Disabled, dynamo leaves them alone. Only where dynamo is
+    loaded: loading it for an eager script takes seconds, and the wrapper costs a few microseconds
+    a call."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return outside_compiled(fn)
 
 
 def compiled_inner(module: Any) -> Any:
@@ -96,6 +166,10 @@ class CompileWatch:
     def __init__(self) -> None:
         self.base = read_counts()
         self.last: dict[str, Any] | None = None
+
+    def compiled_any(self) -> bool:
+        """Whether dynamo has looked at any frame since the session started."""
+        return read_counts()["frames"] > self.base["frames"]
 
     def field(self) -> dict[str, Any] | None:
         """The ``compile`` record's data, or None while dynamo compiled nothing in this session."""

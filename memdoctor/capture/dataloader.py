@@ -40,7 +40,7 @@ import torch
 from memdoctor import patching
 from memdoctor.capture.batchtraits import BatchTraits, batch_traits, call_traits
 from memdoctor.capture.collectors import Collector
-from memdoctor.capture.compiled import compiling
+from memdoctor.capture.compiled import compiled_inner, compiling
 from memdoctor.capture.loopshape import LoopFacts, batch_dim, batch_size_of
 from memdoctor.device import Device
 
@@ -91,6 +91,7 @@ class DataCollector(Collector):
         self._loader_tensors = False  # a fetched batch held tensors: the forward fallback stays off
         self._pad_id: int | None = None
         self._hooks: list[Any] = []
+        self._in_wrapper = False  # inside a compiled model's call (``_wrapper_pre``)
         self._nvtx = _nvtx_range()
         self._loop = LoopFacts(self._emit_facts)
 
@@ -261,13 +262,34 @@ class DataCollector(Collector):
         if hasattr(root, "register_forward_pre_hook"):
             self._hooks.append(root.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
             self._hooks.append(root.register_forward_hook(self._forward_post, with_kwargs=True))
+        wrapper = self._session.compiled_wrapper(root) if self._session is not None else None
+        if wrapper is not None:
+            # torch.compile(model): the model's own hooks are traced away inside the compiled forward;
+            # the wrapper's run in eager code around it, where reading the batch breaks no graph.
+            self._hooks.append(wrapper.register_forward_pre_hook(self._wrapper_pre, with_kwargs=True))
+            self._hooks.append(
+                wrapper.register_forward_hook(self._wrapper_post, with_kwargs=True, always_call=True)
+            )
+
+    def _wrapper_pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """A compiled model's call, in eager code: its batch. The model's own hooks, should dynamo run
+        its forward eagerly after all, stay quiet until the wrapper's call returns (one batch, once)."""
+        self._forward_pre(module, args, kwargs)
+        self._in_wrapper = True
+
+    def _wrapper_post(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        self._in_wrapper = False
+        if out is not None:  # None: the forward raised (an always_call hook)
+            self._forward_post(compiled_inner(module), args, kwargs, out)
 
     def _forward_post(self, module: nn.Module, args: Any, *rest: Any) -> None:
         """Where the trained model's loss is and what its output holds, from its first training forward
         (``LoopFacts``). Not inside torch.compile'd code (``memdoctor.capture.compiled``): it writes a
         trace record. ``rest``: the kwargs and the output (torch calls a hook removed during the same
         call, by the session stopping, with the output alone)."""
-        if self._active and not compiling():
+        if self._active and not compiling() and not self._in_wrapper:
             kwargs = rest[0] if len(rest) == 2 else {}
             self._safely(self._loop.forward_output, module, rest[-1], (args, kwargs))
 
@@ -277,7 +299,13 @@ class DataCollector(Collector):
         """Fallback for scripts without a DataLoader: the traits of what the model is called with.
         Launches at most one row sum on the device; nothing is read back here. (``kwargs`` defaults:
         torch calls a hook removed during the same call, by the session stopping, without them.)"""
-        if self._loader_tensors or not self._active or not torch.is_grad_enabled() or compiling():
+        if (
+            self._loader_tensors
+            or not self._active
+            or not torch.is_grad_enabled()
+            or compiling()
+            or self._in_wrapper
+        ):
             return  # compiling: dynamo would trace (and break on) reading the batch's values
         try:
             traits = call_traits(args, kwargs or {}, self._pad_id)

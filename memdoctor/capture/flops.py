@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memdoctor.capture.collectors import Collector, CollectorUnavailable
+from memdoctor.capture.compiled import in_compiled_call, read_counts
 from memdoctor.capture.flopcount import COUNTER, UNKNOWN, CountingMode, Tally, innermost_mode
 
 if TYPE_CHECKING:
@@ -75,10 +76,13 @@ class FlopCollector(Collector):
         self._thread = 0
         self._tally: Tally | None = None
         self._field: dict[str, Any] | None = None
+        self._frames0 = 0
+        self._stale: CountingMode | None = None  # done counting, still on the mode stack (see _pop)
 
     def start(self, session: ProfileSession) -> None:
         self._session = session
         self._target = measured_step(session.warmup)
+        self._frames0 = read_counts()["frames"]  # what dynamo had looked at before this session
         session.emit(self.name, {"measured_step": self._target, "counter": COUNTER})
 
     def stop(self) -> None:
@@ -89,13 +93,24 @@ class FlopCollector(Collector):
     def on_step_start(self, step: int, detailed: bool) -> None:
         if self._mode is not None:  # the measured step ended without its optimizer step
             self._exit(complete=False)
+        elif self._armed and step > self._target and read_counts()["frames"] > self._frames0:
+            self._not_measured()  # the measured step ran no module outside compiled code
         self._armed = step == self._target and self._field is None
+        if self._stale is not None:
+            self._pop()
 
     def _enter(self) -> None:
         """Start counting at the measured step's first module call (not at the step's start: data
-        loading and the script's own code between steps are not part of the model's work)."""
+        loading and the script's own code between steps are not part of the model's work). Not from
+        inside a compiled call (``in_compiled_call``): the mode would not survive its return."""
         assert self._session is not None
         self._armed = False
+        if in_compiled_call():
+            self._not_measured(
+                "its first module call ran inside a torch.compile'd function (an eager part of it), where "
+                "the counter cannot be entered safely"
+            )
+            return
         self._tally = Tally()
         self._mode = CountingMode(self._tally, self._formulas, self._session.current_phase)
         self._thread = threading.get_ident()
@@ -108,24 +123,60 @@ class FlopCollector(Collector):
         if mode is None:
             return
         mode.active = False  # a mode that cannot be popped below passes every op straight through
-        if threading.get_ident() == self._thread and innermost_mode() in (mode, UNKNOWN):
-            with contextlib.suppress(Exception):
-                mode.__exit__(None, None, None)
+        self._stale = mode
+        self._pop()
         mode.release()
         if self._tally is not None:
             self._field = self._tally.field(self._target, complete and mode.error is None)
             if mode.error is not None:
                 self._field["error"] = mode.error
 
+    def _pop(self) -> None:
+        """Pop the finished mode off the mode stack, where that is safe; else leave it there, passing
+        every op through, until the next module call or step start that runs in eager code.
+
+        Unsafe inside a compiled call (``in_compiled_call``): a ``torch.compile``'d function that
+        calls ``optimizer.step()`` runs the optimizer hooks, which end counting, inside it, and a pop
+        there crashed the script's next ``optimizer.zero_grad()`` (PythonFallbackKernel internal
+        assert). Only from the thread that entered it, and only if it is the innermost mode: popping
+        another would remove the script's own."""
+        mode = self._stale
+        if mode is None or threading.get_ident() != self._thread or in_compiled_call():
+            return
+        self._stale = None
+        if innermost_mode() in (mode, UNKNOWN):
+            with contextlib.suppress(Exception):
+                mode.__exit__(None, None, None)
+
+    def _not_measured(self, why: str | None = None) -> None:
+        """Say in the ``flops`` collector record that the measured step has no FLOP count and why,
+        rather than leave the count out silently."""
+        self._armed = False
+        if self._session is None or self._field is not None:
+            return
+        why = why or (
+            "no module of the trained model ran outside torch.compile'd code in it (memdoctor's hooks "
+            "stay out of compiled code, so the counter never started)"
+        )
+        record = {
+            "measured_step": self._target,
+            "counter": COUNTER,
+            "not_measured": f"step {self._target}: {why}",
+        }
+        self._session.emit(self.name, record)
+
     # -------------------------------------------------------------------- session hooks
     def on_forward_pre(self, key: int, module: nn.Module, depth: int, timed: bool) -> None:
         mode = self._mode
         if mode is None:
+            if self._stale is not None:
+                self._pop()
             if not self._armed:
                 return
             self._enter()
             mode = self._mode
-            assert mode is not None
+            if mode is None:
+                return
         mode.enter_module(key)
 
     def on_forward_post(self, key: int, module: nn.Module, output: Any, depth: int, timed: bool) -> None:

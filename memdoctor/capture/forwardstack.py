@@ -12,6 +12,7 @@ the saved-tensor attribution) but get no timing sample: a CUDA event costs ~14 u
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,15 @@ class ForwardStack:
         # Calls of a torch.compile'd root's own module that ran eagerly (dynamo fell back) inside its
         # wrapper's frame, which stands for it (``compiled_inner``): skipped, not counted twice.
         self.swallowed = 0
+        # id(module) -> its torch.compile wrapper, seen calling it at the top level: the wrapper's own
+        # hooks run in eager code, the module's inside the compiled code (``compiled_wrapper``).
+        self.wrappers: dict[int, weakref.ref[nn.Module]] = {}
+
+    def compiled_wrapper(self, module: nn.Module) -> nn.Module | None:
+        """The ``torch.compile(module)`` wrapper seen calling ``module``, if any."""
+        ref = self.wrappers.get(id(module))
+        wrapper = ref() if ref is not None else None
+        return wrapper if wrapper is not None and compiled_inner(wrapper) is module else None
 
     def first_step_done(self, forwards: int) -> None:
         """Pick the timing depth from the first step's module calls (when it was left to us), per
@@ -69,7 +79,10 @@ class ForwardStack:
             self.swallowed += 1  # the compiled root's own call, run eagerly: its wrapper's frame has it
             return
         if depth == 0:
-            module = compiled_inner(module)
+            inner = compiled_inner(module)
+            if inner is not module and id(inner) not in self.wrappers:
+                self.wrappers[id(inner)] = weakref.ref(module)
+            module = inner
             if not torch.is_grad_enabled():
                 stack.append(Frame(id(module), -1, 0, NO_PTRS, active=False))
                 return

@@ -50,6 +50,10 @@ class OptimizerSteps:
         s = self.session
         if s._done or opt in OWN_OPTIMIZERS:
             return
+        if self._compiled_step_ended():
+            s._finalize_step()
+            if s._done:
+                return
         if s._writer.pending:
             s._emit_ready(wait=False)
         s._forward.fault_at = None
@@ -71,11 +75,26 @@ class OptimizerSteps:
                 # Launched on the device, never read here: build_step reads them once per step.
                 s._data.grad_norms = s._calls.guarded("gradient norms", gradnorms.collect, ledger.flat_params)
 
+    def _compiled_step_ended(self) -> bool:
+        """Whether this optimizer step starts a new training step that no top-level module call began:
+        the step in progress already had its whole optimizer cycle, and no forward was seen since
+        the step began. That is a ``torch.compile``'d training-step function (forward, backward and
+        ``optimizer.step()`` in one): the module hooks that start steps are traced away inside it
+        (``memdoctor.capture.compiled``), so its step ends here, at the next optimizer step, instead
+        of never. Only once dynamo compiled something in this session: an eager script's steps keep
+        ending at a forward."""
+        s = self.session
+        data = s._data
+        if not data.opt_posts or data.forwards or not self.cycle.done():
+            return False
+        return s._writer.compiled.compiled_any()
+
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         s = self.session
         if s._done or opt in OWN_OPTIMIZERS:
             return
         s._ledger.in_opt = False
+        s._hooks.rearm()
         s._data.opt_bytes = s._ledger.opt_state_by_module()
         s._sample("opt_post", None, 0)
         s._data.opt_posts += 1

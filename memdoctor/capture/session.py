@@ -271,6 +271,12 @@ class ProfileSession:
         record the per-module ledger only (0 on timing steps)."""
         return self._data.forwards
 
+    def compiled_wrapper(self, module: nn.Module) -> nn.Module | None:
+        """The ``torch.compile(module)`` wrapper (``OptimizedModule``) the script calls ``module``
+        through, once seen, else None: hooks on the wrapper run in eager code, outside the compiled
+        forward (``memdoctor.capture.compiled``)."""
+        return self._forward.compiled_wrapper(module)
+
     def locate(self, key: int) -> tuple[int, int] | None:
         """``(model, module index)`` of the module with ``id(module) == key`` (None until discovered)."""
         return self._index.get(key)
