@@ -254,12 +254,15 @@ def _card_key(gpu: str | None) -> str | None:
 
 def _say_uncapped(gpu: str | None, result: Any) -> None:
     """``--gpu`` on a run that did not train on CUDA: the plan is the card's, the memory was not capped."""
-    kind = ((getattr(result, "summary", None) or {}).get("device") or {}).get("kind")
+    device = (getattr(result, "summary", None) or {}).get("device") or {}
+    kind = device.get("kind")
     if gpu and kind not in (None, "cuda"):
         say(
             f"note: --gpu {gpu}: this run trained on the {kind}, whose memory cannot be capped to the "
             "card's; the plan is made for the card's memory and features from what the run measured"
         )
+    elif gpu and kind == "cuda" and not device.get("memory_cap_bytes"):
+        say(f"note: --gpu {gpu}: this GPU has no more memory than the card, so nothing was capped")
 
 
 _MEMDOCTOR_PROFILE_OPTIONS = (
