@@ -20,6 +20,8 @@ from memdoctor.cli import main
 from memdoctor.cli.profile import card_budget
 from memdoctor.config import load_config
 from memdoctor.errors import UsageError
+from memdoctor.launch.profile_child import ENV_VAR
+from memdoctor.launch.supervisor import _child_env
 from memdoctor.plan.config import Config
 from memdoctor.plan.model import predict, workload
 from memdoctor.plan.planner import card_table, make_plan
@@ -30,6 +32,7 @@ from memdoctor.plan.timing import amp_time_factor
 from memdoctor.report import build_summary
 from memdoctor.report.sections.plan import card_rows, measured_for
 from memdoctor.trace import Trace, load_trace, run_settings
+from tests.test_cli import FakeSupervisor
 from tests.test_plan import hand_workload
 from tests.tracebuilder import GiB, MiB
 
@@ -134,6 +137,26 @@ def test_gpu_and_budget_together_take_the_smaller_memory() -> None:
     assert card_budget(None, 6 * GiB) == 6 * GiB
     with pytest.raises(UsageError, match="unknown GPU 'rtx9999'"):
         card_budget("rtx9999", None)
+
+
+@pytest.fixture
+def supervisor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeSupervisor:
+    """test_cli's fake ``run_profile``: records the request; cwd = tmp, with a train.py."""
+    fake = FakeSupervisor()
+    monkeypatch.setattr("memdoctor.launch.supervisor.run_profile", fake)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    return fake
+
+
+def test_profile_gpu_asks_the_child_to_cap_to_the_card(supervisor: FakeSupervisor) -> None:
+    """The request the supervisor gets: the card's usable memory as the budget (the child caps to it with
+    ``set_per_process_memory_fraction``, ``CudaDevice.apply_cap``, as for ``--budget``) and the card."""
+    assert main(["profile", "--gpu", "RTX 2070", "--budget", "64GiB", "train.py"]) == 0
+    req = supervisor.request
+    assert (req.budget_bytes, req.gpu) == (RTX2070.usable_bytes, "rtx2070")
+    cfg = json.loads(_child_env(req, Path("trace.partial"))[ENV_VAR])
+    assert (cfg["budget_bytes"], cfg["gpu"]) == (RTX2070.usable_bytes, "rtx2070")
 
 
 def test_the_run_settings_record_the_card_only_when_named() -> None:
