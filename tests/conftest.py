@@ -67,6 +67,7 @@ FAST_FILES = frozenset(
         "test_permissions.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",
+        "test_plan_card.py",
         "test_plan_full_offload.py",
         "test_plan_levers.py",
         "test_plan_offload_device.py",

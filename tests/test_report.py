@@ -233,4 +233,6 @@ def test_report_from_a_saved_trace(tmp_path: Path) -> None:
     b.add_model(bert_like(1))
     b.add_steps(warmup=1, profiled=1)
     b.end("completed")
-    assert render_report(b.roundtrip(tmp_path)) == render_report(b.build())
+    saved, built = b.roundtrip(tmp_path), b.build()
+    built.path = saved.path  # the card table's commands name the trace's file
+    assert render_report(saved) == render_report(built)

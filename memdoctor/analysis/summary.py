@@ -58,6 +58,7 @@ def summary_figures(trace: Trace) -> dict[str, Any]:
         "status_message": (trace.end or {}).get("message"),
         "device": device_info(trace),
         "budget_bytes": trace.settings.get("budget_bytes"),
+        "gpu": trace.settings.get("gpu"),  # the card profiled for (``--gpu``), a memdoctor.cards key
         "not_measured": not_measured(trace),
         "steps_profiled": len(trace.profiled_steps()),
         "steps_found": steps_found(trace),

@@ -1,5 +1,5 @@
 """``memdoctor plan``: plan for a memory budget or a GPU from a recorded trace, as tables or JSON, and
-write it as memdoctor.yaml with ``-o DIR``."""
+write it as memdoctor.yaml with ``-o DIR`` (or ``-o FILE.yaml``)."""
 
 from __future__ import annotations
 
@@ -20,26 +20,29 @@ if TYPE_CHECKING:
 
 def configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=Path, metavar="TRACE", help="a trace.jsonl.gz, or the folder holding one")
-    target = p.add_mutually_exclusive_group()
-    target.add_argument(
+    p.add_argument(
         "--budget", type=arg_type(parse_size), metavar="SIZE", help="memory the plan must fit, e.g. 8GiB"
     )
-    target.add_argument(
+    p.add_argument(
         "--gpu",
         metavar="NAME",
-        help="plan for a listed card (rtx2070, t4, a100-80gb, ...; see docs/planner.md)",
+        help="plan for a listed card (rtx2070, t4, a100-80gb, ...; see docs/planner.md): its memory and "
+        "its features (bf16 or not, fp16 tensor cores, PCIe rate, FLOP rate); with --budget, the smaller "
+        "of the two memories",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument(
         "-o",
         "--output",
         type=Path,
-        metavar="DIR",
-        help="also write the plan as DIR/memdoctor.yaml (see docs/config.md)",
+        metavar="DIR|FILE.yaml",
+        help="also write the plan as DIR/memdoctor.yaml, or as FILE.yaml when the path ends in .yaml or "
+        ".yml (see docs/config.md)",
     )
-    p.add_argument("--force", action="store_true", help="overwrite an existing DIR/memdoctor.yaml")
+    p.add_argument("--force", action="store_true", help="overwrite an existing memdoctor.yaml")
     p.epilog = (
-        "without --budget or --gpu: the profiled run's budget, else its GPU. "
+        "without --budget or --gpu: the profiled run's budget and the card it was profiled for "
+        "(profile --gpu), else its GPU. "
         f"exit codes: {exitcodes.OK} planned (also when nothing fits: the output says so); "
         f"{exitcodes.USAGE_ERROR} usage error; {exitcodes.TRACE_ERROR} unreadable trace"
     )
@@ -85,7 +88,7 @@ def _target(ns: argparse.Namespace, summary: dict[str, Any], path: Path) -> Targ
 
     if ns.gpu:
         card = find_card(ns.gpu)
-        return Target(card.usable_bytes, card)
+        return Target(min(card.usable_bytes, ns.budget or card.usable_bytes), card)
     if ns.budget:
         return Target(ns.budget)
     target = summary_target(summary)
@@ -97,20 +100,22 @@ def _target(ns: argparse.Namespace, summary: dict[str, Any], path: Path) -> Targ
 def write_plan_config(
     out_dir: Path | None, trace: Any, summary: dict[str, Any], *, force: bool
 ) -> Path | None:
-    """``DIR/memdoctor.yaml`` for ``memdoctor plan -o DIR``: atomic, never over an existing file without
-    --force (the same policy as the report's files)."""
+    """``DIR/memdoctor.yaml`` for ``memdoctor plan -o DIR`` (or ``FILE.yaml`` for ``-o FILE.yaml``: one
+    file per card beside the trace, as the report's card table writes them): atomic, never over an
+    existing file without --force (the same policy as the report's files)."""
     if out_dir is None:
         return None
     from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
     from memdoctor.outputs import atomic_write, ensure_writable
 
-    target = out_dir / CONFIG_FILENAME
+    named = out_dir.suffix.lower() in (".yaml", ".yml") and not out_dir.is_dir()
+    target = out_dir if named else out_dir / CONFIG_FILENAME
     if target.exists() and not force:
-        raise UsageError(f"{target} exists: give --force to overwrite it, or another -o DIR")
+        raise UsageError(f"{target} exists: give --force to overwrite it, or another -o path")
     config = config_for_summary(trace, summary)
     if config is None:
         return None
-    ensure_writable(out_dir)
+    ensure_writable(target.parent)
     atomic_write(target, dump_config(config))
     return target
 

@@ -21,6 +21,7 @@ _PROFILE_EPILOG = f"""\
 examples:
   {PROG} profile train.py --steps 5 -- --batch-size 32 --lr 3e-5
   {PROG} profile --budget 8GiB -o bert-report train.py --batch-size 32
+  {PROG} profile --gpu rtx2070 train.py --batch-size 32
   {PROG} profile -m mypackage.train --epochs 1
 
 memdoctor's own options go before the script, or between the script and --.
@@ -58,6 +59,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         type=arg_type(parse_size),
         metavar="SIZE",
         help="emulate a GPU with SIZE memory (e.g. 8GiB): caps the process on a larger GPU",
+    )
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="plan for a listed card (rtx2070, t4, a100-80gb, ...; docs/planner.md): on a larger GPU caps "
+        "the process to the card's memory, and plans with the card's features (bf16 or not, fp16 tensor "
+        "cores, PCIe rate, FLOP rate); on a CPU plans for the card without a cap. With --budget: the "
+        "smaller of the two memories, the card's features",
     )
     p.add_argument(
         "-o",
@@ -140,6 +149,7 @@ def _add_measure_options(p: argparse.ArgumentParser) -> None:
 
 def profile_command(ns: argparse.Namespace) -> int:
     check_target(ns, "profile")
+    ns.budget = card_budget(ns.gpu, ns.budget)  # an unknown card stops here, before any folder is made
     _warn_about_passed_options(ns)
     out = profile_output_dir(ns.output, force=ns.force)
     try:  # the folder is this run's until its last file is written (memdoctor.outputs.FolderClaim)
@@ -162,6 +172,7 @@ def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
         warmup=ns.warmup,
         steps=ns.steps,
         budget_bytes=ns.budget,
+        gpu=_card_key(ns.gpu),
         timeout_s=ns.timeout,
         time_depth=ns.time_depth,
         detail=ns.detail,
@@ -172,6 +183,7 @@ def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out_dir)}")
     result = supervisor.run_profile(request)
+    _say_uncapped(ns.gpu, result)
     written = getattr(result, "written", None) or [result.trace_path, result.report_path, result.summary_path]
     if not _told(result, written):  # the terminal is gone (a SIGHUP): the files say it all
         return int(result.exit_code)
@@ -223,10 +235,41 @@ def _print_summary(result: Any) -> None:
         say(f"internal error printing the summary: {type(exc).__name__}: {one_line(exc)}; {BUG_LINE}")
 
 
+def card_budget(gpu: str | None, budget: int | None) -> int | None:
+    """The memory ``--gpu`` and ``--budget`` leave the run: the card's usable memory, ``--budget``, or
+    the smaller of the two when both are given (the card's features plan either way)."""
+    if not gpu:
+        return budget
+    from memdoctor.cards import find_card
+
+    usable = find_card(gpu).usable_bytes
+    return usable if budget is None else min(usable, budget)
+
+
+def _card_key(gpu: str | None) -> str | None:
+    from memdoctor.cards import find_card
+
+    return find_card(gpu).key if gpu else None
+
+
+def _say_uncapped(gpu: str | None, result: Any) -> None:
+    """``--gpu`` on a run that did not train on CUDA: the plan is the card's, the memory was not capped."""
+    device = (getattr(result, "summary", None) or {}).get("device") or {}
+    kind = device.get("kind")
+    if gpu and kind not in (None, "cuda"):
+        say(
+            f"note: --gpu {gpu}: this run trained on the {kind}, whose memory cannot be capped to the "
+            "card's; the plan is made for the card's memory and features from what the run measured"
+        )
+    elif gpu and kind == "cuda" and not device.get("memory_cap_bytes"):
+        say(f"note: --gpu {gpu}: this GPU has no more memory than the card, so nothing was capped")
+
+
 _MEMDOCTOR_PROFILE_OPTIONS = (
     "--steps",
     "--warmup",
     "--budget",
+    "--gpu",
     "-o",
     "--output",
     "--force",

@@ -33,7 +33,7 @@ from memdoctor.launch.control import ChildControl, child_control
 from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 from memdoctor.patching import wrap_attr
-from memdoctor.trace import TraceWriter, event_record, make_header
+from memdoctor.trace import TraceWriter, event_record, make_header, run_settings
 from memdoctor.trace.redact import redact_text, secret_values
 
 ENV_VAR = "MEMDOCTOR_CHILD"
@@ -123,7 +123,7 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
         memdoctor_version=__version__,
         created_unix=time.time(),
         command=cfg["command"],
-        settings={"warmup": cfg["warmup"], "steps": cfg["steps"], "budget_bytes": cfg.get("budget_bytes")},
+        settings=run_settings(cfg["warmup"], cfg["steps"], cfg.get("budget_bytes"), cfg.get("gpu")),
         host={
             "python": platform.python_version(),
             "torch": torch.__version__,

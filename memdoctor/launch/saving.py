@@ -41,6 +41,7 @@ def save_outputs(trace: Trace, out_dir: Path, partial: Path) -> Saved:
         saved.kept = partial if partial.exists() else None
         return _report_not_tried(saved, out_dir, "the trace was not saved")
     saved.paths["trace"] = saved.kept = trace_path
+    trace.path = str(trace_path)  # where it lives now: the report's commands and the config name this file
     partial.unlink(missing_ok=True)
     with paused_gc():  # a long run's trace is millions of objects: see paused_gc
         write_report_files(saved, trace, out_dir)

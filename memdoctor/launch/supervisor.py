@@ -33,6 +33,7 @@ from memdoctor.trace import (
     load_trace,
     make_end,
     make_header,
+    run_settings,
 )
 from memdoctor.trace.redact import redact_argv
 
@@ -46,6 +47,7 @@ class ProfileRequest:
     warmup: int = 1
     steps: int = 5
     budget_bytes: int | None = None
+    gpu: str | None = None  # the card planned for (``--gpu``, a ``memdoctor.cards`` key)
     timeout_s: float | None = None
     time_depth: int | None = None
     detail: str = "auto"
@@ -132,6 +134,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "warmup": req.warmup,
         "steps": req.steps,
         "budget_bytes": req.budget_bytes,
+        "gpu": req.gpu,
         "time_depth": req.time_depth,
         "detail": req.detail,
         "collect": req.collect if isinstance(req.collect, list) else parse_names(req.collect),
@@ -184,7 +187,7 @@ def _salvage(partial: Path, req: ProfileRequest) -> Trace:
                 "module": req.module,
                 "cwd": os.getcwd(),
             },
-            settings={"warmup": req.warmup, "steps": req.steps, "budget_bytes": req.budget_bytes},
+            settings=run_settings(req.warmup, req.steps, req.budget_bytes, req.gpu),
             host={},
             device={"kind": "unknown", "name": "unknown (the script died before memdoctor started)"},
             not_measured=["everything: the script process died before profiling started"],

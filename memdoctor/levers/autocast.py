@@ -82,6 +82,7 @@ class LossScaling:
         self._undo: list[Undo] = []
         self._stepping = False
         self.off = False  # the script keeps its own autocast (``autocast_forward``): no scaling of ours
+        self.steps = 0  # optimizer steps taken through the GradScaler (``summary``)
 
     def stand_down(self) -> None:
         """The script runs its own autocast, which is kept: leave its loss and optimizer steps alone."""
@@ -155,6 +156,7 @@ class LossScaling:
                     out = scaler.step(self_opt, *args, **kwargs)
                 if scaler is not None:
                     scaler.update()
+                    scaling.steps += 1
             finally:
                 scaling._stepping = False
             return loss if closure is not None else out
@@ -164,6 +166,18 @@ class LossScaling:
         if getattr(original, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return set_attr(opt, "step", types.MethodType(step, opt))
+
+    def summary(self) -> str | None:
+        """The end-of-run line: how many optimizer steps the GradScaler drove and its scale now (one host
+        sync, at the end), so a run shows that loss scaling was active; None when it stood down."""
+        if self.off:
+            return None
+        if self.scaler is None or not self.steps:
+            return "NOT applied: fp16 loss scaling: no optimizer step of the model ran after a backward"
+        return (
+            f"fp16 loss scaling: {self.steps} optimizer step(s) through torch.amp.GradScaler, scale "
+            f"{self.settings.init_scale:g} at the start, {self.scaler.get_scale():g} at the end"
+        )
 
     def _unscaling(self, clip: Callable[..., Any]) -> Callable[..., Any]:
         def clip_unscaled(*args: Any, **kwargs: Any) -> Any:

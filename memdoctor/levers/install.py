@@ -74,6 +74,7 @@ class Installation:
     _full: FullOffload | None = None
     _near: nn.Module | None = None  # a root with the planned modules, but not the model described
     _watch: ModelWatch | None = None
+    _scaling: LossScaling | None = None  # fp16's loss scaling, for the end-of-run line
 
     def applied(self, line: str) -> None:
         self.lines.append(line)
@@ -100,6 +101,9 @@ class Installation:
             notes.append(self._loader.summary())
         if self._padding is not None:
             notes.append(self._padding.summary())
+        scaled = self._scaling.summary() if self._scaling is not None else None
+        if scaled:
+            notes.append(scaled)
         split = self._split
         if isinstance(split, ScriptArguments) and not split.applied:
             notes.append("NOT applied: accumulation_steps: " + split.not_applied())
@@ -274,7 +278,7 @@ class Installation:
             self._undo.append(autocast_forward(root, c.precision, self.say))
             self.applied(f"autocast {c.precision} around {type(root).__name__}.forward")
             return None
-        scaling = LossScaling(c.grad_scaler, root, self.fail)
+        scaling = self._scaling = LossScaling(c.grad_scaler, root, self.fail)
         self._undo.append(autocast_forward(root, c.precision, self.say, scaling.stand_down))
         self._undo.append(scaling.install())
         scaling.attach()

@@ -14,7 +14,7 @@ from memdoctor.plan.config import Config
 from memdoctor.plan.model import Prediction
 from memdoctor.plan.padding import PAD_MULTIPLE
 from memdoctor.plan.planner import Plan
-from memdoctor.plan.target import Target, cost, fits, known_oom, predict_for
+from memdoctor.plan.target import Target, cost, fits, fp16_allowed, known_oom, predict_for
 from memdoctor.plan.tiers import accumulations, tier_one, tier_two
 from memdoctor.plan.workload import Candidate, Workload
 from memdoctor.trace import Trace
@@ -116,7 +116,7 @@ def _hand_tuning_stages(w: Workload, target: Target, checkpointing: bool) -> lis
             continue
         config = dataclasses.replace(config, accumulation_steps=a)
         stages.append(config)
-    fp16 = w.precision_verdict == "fp16_safe" and w.has_optimizer  # its GradScaler needs an optimizer
+    fp16 = fp16_allowed(w)  # measured safe; its GradScaler needs an optimizer
     precision = "bf16" if target.bf16(w) else "fp16" if fp16 else None
     if precision and w.script_autocast is None:  # a script under its own autocast keeps it
         stages.append(dataclasses.replace(config, precision=precision))

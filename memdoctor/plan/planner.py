@@ -315,6 +315,7 @@ def card_table(
         rows.append(
             {
                 "card": card.name,
+                "gpu": card.key,  # what --gpu takes
                 "memory_bytes": card.memory_bytes,
                 "usable_bytes": card.usable_bytes,
                 "bf16": card.bf16,

@@ -12,7 +12,8 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from memdoctor.analysis.verified import chosen_round, learned, plan_note, rounds
-from memdoctor.cards import CONTEXT_RESERVE_BYTES
+from memdoctor.cards import CONTEXT_RESERVE_BYTES, Card, find_card
+from memdoctor.errors import UsageError
 from memdoctor.plan.alternatives import alternatives
 from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import ninegrid, priority
@@ -26,15 +27,32 @@ from memdoctor.trace import Trace
 
 
 def summary_target(summary: dict[str, Any]) -> Target | None:
-    """The budget the run was judged against: ``--budget``/cap as given, else the GPU less its context."""
+    """The budget the run was judged against: ``--budget``/cap as given, else the GPU less its context;
+    with the card ``profile --gpu`` named, whose features (bf16, fp16 tensor cores, PCIe, FLOP rate)
+    the plan is made for."""
     device = summary.get("device") or {}
     budget = summary.get("budget_bytes") or device.get("memory_cap_bytes")
+    card = profiled_card(summary)
+    if card is not None:
+        return Target(int(budget or card.usable_bytes), card)
     if budget:
         return Target(int(budget))
     total = device.get("total_memory_bytes")
     if device.get("kind") == "cuda" and total:
         return Target(int(total) - CONTEXT_RESERVE_BYTES)
     return None
+
+
+def profiled_card(summary: dict[str, Any]) -> Card | None:
+    """The card ``profile --gpu`` named (``summary["gpu"]``); None without one, or for a name this
+    memdoctor does not list (a trace from another version: then planned for its budget alone)."""
+    name = summary.get("gpu")
+    if not isinstance(name, str):
+        return None
+    try:
+        return find_card(name)
+    except UsageError:
+        return None
 
 
 def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict[str, Any]:

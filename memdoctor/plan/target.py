@@ -37,6 +37,19 @@ class Target:
     def bf16(self, w: Workload) -> bool | None:
         return self.card.bf16 if self.card else w.bf16_native
 
+    def fp16_first(self, w: Workload) -> bool:
+        """Whether fp16 autocast (with its GradScaler) belongs in the planner's first tier, as bf16 does
+        on a card that has it: for a named card (``--gpu``) without native bf16 whose tensor cores run
+        fp16 (Volta, Turing: the RTX 20xx, the T4), where the precision verdict says the measured ranges
+        keep fp16 safe and the script has an optimizer to drive the GradScaler from. There fp16 is the
+        card's one fast 16-bit path, the lever a hand tuner of such a card reaches for first. Without a
+        named card fp16 stays in the second tier: this trace does not say what the profiled GPU's
+        tensor cores run (``--gpu NAME`` says it)."""
+        card = self.card
+        if card is None or card.bf16 or not card.fp16_tensor_cores:
+            return False
+        return fp16_allowed(w)
+
     def offloads(self, w: Workload) -> bool:
         """Whether moving state to host memory frees any of the budget (the offload levers: parameters,
         optimizer state, full offload): on a CUDA device, the card named (``--gpu``) or the profiled one;
@@ -48,6 +61,13 @@ class Target:
 
     def card_name(self) -> str | None:
         return self.card.name if self.card else None
+
+
+def fp16_allowed(w: Workload) -> bool:
+    """fp16 autocast is planned only where the precision verdict measured it safe (activations inside
+    fp16's range, gradients fitting one loss scale), under no autocast of the script's own, and with an
+    optimizer whose step drives the GradScaler."""
+    return w.precision_verdict == "fp16_safe" and w.script_autocast is None and w.has_optimizer
 
 
 def fits(p: Prediction, target: Target) -> bool:

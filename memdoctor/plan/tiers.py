@@ -10,7 +10,7 @@ from typing import Any
 
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.padding import PAD_MULTIPLE
-from memdoctor.plan.target import Target
+from memdoctor.plan.target import Target, fp16_allowed
 from memdoctor.plan.workload import Workload
 
 # Micro-batch counts searched. Not only powers of two: every split divides unevenly where it must and
@@ -50,8 +50,11 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
     tries every precision change last left bf16's 4x on the table on the H200 (BENCHMARKS.md, the
     BERT-base b32 s512 scenario). The numerics-preserving alternative stays in the report. A script
     under its own autocast keeps it: "fp32" (add no autocast) is then its precision, and no other is
-    tried (changing the script's own dtype is not memdoctor's call)."""
+    tried (changing the script's own dtype is not memdoctor's call). On a named card without bf16 but
+    with fp16 tensor cores (Turing, Volta), fp16 with its GradScaler takes bf16's place where the
+    measured ranges keep it safe (``Target.fp16_first``)."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) and w.script_autocast is None else [])
+    precisions += ["fp16"] if target.fp16_first(w) else []
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
@@ -63,18 +66,18 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
 
 def tier_two(w: Workload, target: Target) -> list[Config]:
     """Only when nothing in tier one fits: fp16 (where the measured ranges make it safe and the card has
-    no bf16) and the 8-bit optimizer."""
+    no bf16; unless tier one had it already) and the 8-bit optimizer."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) and w.script_autocast is None else [])
-    fp16 = w.precision_verdict == "fp16_safe" and not target.bf16(w) and w.script_autocast is None
-    if fp16 and w.has_optimizer:  # its GradScaler is driven from the optimizer's step
+    if fp16_allowed(w) and not target.bf16(w):  # its GradScaler is driven from the optimizer's step
         precisions.append("fp16")
     placements = optimizer_placements(w, ("as-is", "8bit", "offload"), target)
     combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w, target))
+    new_fp16 = not target.fp16_first(w)  # else tier one tried fp16 already, without the 8-bit optimizer
     return [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
-        if p == "fp16" or o == "8bit"
-    ] + full_offload_configs(w, target, [p for p in precisions if p == "fp16"])
+        if (p == "fp16" and new_fp16) or o == "8bit"
+    ] + full_offload_configs(w, target, [p for p in precisions if p == "fp16" and new_fp16])
 
 
 def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> list[Config]:

@@ -222,22 +222,35 @@ def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tup
     """Forward+backward time under autocast as a fraction of fp32's, and what it rests on.
 
     From the device's capabilities where the trace measured them: the share of forward+backward the
-    measured FLOPs need at the profiled GPU's fp32 datasheet peak (``peak_fraction``) is the matmul
-    time; it shrinks by the datasheet 16-bit / fp32 peak ratio of the target card (else the profiled
-    GPU), at ``AMP_TENSOR_EFFICIENCY`` of the 16-bit peak; the rest runs in ``AMP_OTHER_TIME_FACTOR``
-    of its time. Without a FLOP count or a known device: the flat factor by compute class."""
-    found = device_peaks(card or w.device_name)
+    measured FLOPs need at the profiled GPU's fp32 matmul rate (``peak_fraction`` is relative to its
+    datasheet peak) is the matmul time. For a named ``card`` (``--gpu``) that share is re-weighed for
+    the card: its matmul time scales by the two cards' fp32 matmul rates, the rest (elementwise, norms:
+    memory-bound) by their memory bandwidths, so a card slow at fp32 (the RTX 2070: 7.5 TFLOP/s against
+    the H200's 67) spends more of its step in matmuls, which 16 bits speed up. The matmul time shrinks
+    by the card's datasheet 16-bit / fp32 rate at ``AMP_TENSOR_EFFICIENCY``; the rest runs in
+    ``AMP_OTHER_TIME_FACTOR`` of its time. Without a FLOP count or a known device: the flat factor by
+    compute class."""
+    profiled = device_peaks(w.device_name)
+    found = device_peaks(card) if card else profiled
     dtype = "bfloat16" if precision == "bf16" else "float16"
-    if found and dtype in found[1] and w.peak_fraction and w.fwd_bwd_ms and w.step_ms:
-        key, peaks = found
+    if profiled and found and dtype in found[1] and w.peak_fraction and w.fwd_bwd_ms and w.step_ms:
+        here, (key, peaks) = profiled[1], found
+        here_base, _ = _fp32_matmul_peak(w, here, dtype)
+        share = min(1.0, w.peak_fraction * here["float32"] / here_base * w.step_ms / w.fwd_bwd_ms)
         base, what = _fp32_matmul_peak(w, peaks, dtype)
-        share = min(1.0, w.peak_fraction * peaks["float32"] / base * w.step_ms / w.fwd_bwd_ms)
+        moved = ""
+        if key != profiled[0]:
+            matmul = share * here_base / base
+            rest = (1.0 - share) * here["bandwidth"] / peaks["bandwidth"]
+            share = matmul / (matmul + rest) if matmul + rest else share
+            moved = f" re-weighed from the profiled {profiled[0]} by fp32 rate and memory bandwidth"
         speedup = peaks[dtype] / base * AMP_TENSOR_EFFICIENCY
         factor = min(1.0, share / max(speedup, 1.0) + (1.0 - share) * AMP_OTHER_TIME_FACTOR)
         return factor, (
             f"device capabilities: {key} datasheet {dtype} {peaks[dtype] / 1e12:.0f} vs {what} "
             f"{base / 1e12:.0f} TFLOP/s at {AMP_TENSOR_EFFICIENCY:.0%} efficiency, matmul share "
-            f"{share:.0%} of forward+backward from the measured FLOP rate; the rest x{AMP_OTHER_TIME_FACTOR}"
+            f"{share:.0%} of forward+backward from the measured FLOP rate{moved}; the rest "
+            f"x{AMP_OTHER_TIME_FACTOR}"
         )
     factor = AMP_TIME_FACTOR[w.compute_class]
     why = "compute class " + (w.compute_class or "not measured")
@@ -245,8 +258,8 @@ def amp_time_factor(w: Workload, precision: str, card: str | None = None) -> tup
 
 
 def _fp32_matmul_peak(w: Workload, peaks: dict[str, float], dtype: str) -> tuple[float, str]:
-    """The rate the script's fp32 matmuls run at: the fp32 datasheet peak, or with TF32 on (on a card
-    with bf16, i.e. tensor cores that do TF32) ``TF32_OVER_16BIT`` of the 16-bit peak."""
+    """The rate the script's fp32 matmuls run at on a card: the fp32 datasheet peak, or with TF32 on
+    (on a card with bf16, i.e. tensor cores that do TF32) ``TF32_OVER_16BIT`` of its 16-bit peak."""
     if w.script_tf32 and "bfloat16" in peaks:
         return max(peaks["float32"], peaks[dtype] * TF32_OVER_16BIT), "TF32 (on in the script)"
     return peaks["float32"], "fp32"

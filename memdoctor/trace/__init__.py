@@ -20,6 +20,7 @@ from memdoctor.trace.records import (
     event_record,
     make_end,
     make_header,
+    run_settings,
     unfinished_end,
 )
 from memdoctor.trace.writer import TraceWriter, save_trace
@@ -43,6 +44,7 @@ __all__ = [
     "make_header",
     "paused_gc",
     "read_trace",
+    "run_settings",
     "save_trace",
     "unfinished_end",
 ]

@@ -59,7 +59,9 @@ def _signed_int(v: Any) -> bool:
 HEADER = {
     "command": _dict_of(lambda v: True),
     "settings": lambda v: (
-        isinstance(v, dict) and all(_opt(_int)(v.get(k)) for k in ("warmup", "steps", "budget_bytes"))
+        isinstance(v, dict)
+        and all(_opt(_int)(v.get(k)) for k in ("warmup", "steps", "budget_bytes"))
+        and _opt(_str)(v.get("gpu"))
     ),
     "host": _dict_of(_opt(_str)),
     "device": lambda v: (

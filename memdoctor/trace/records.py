@@ -228,6 +228,16 @@ def make_header(**fields: Any) -> dict[str, Any]:
     return {"type": "header", "format": FORMAT_NAME, "format_version": FORMAT_VERSION, **fields}
 
 
+def run_settings(warmup: int, steps: int, budget_bytes: int | None, gpu: str | None = None) -> dict[str, Any]:
+    """The header's ``settings``: the steps asked for, the memory budget (``--budget``, or ``--gpu``'s
+    card memory), and ``gpu``, the card the run was profiled for (``memdoctor.cards`` key), only when
+    one was named (format 1.x readers that do not know it ignore it)."""
+    out: dict[str, Any] = {"warmup": warmup, "steps": steps, "budget_bytes": budget_bytes}
+    if gpu is not None:
+        out["gpu"] = gpu
+    return out
+
+
 def make_end(
     *,
     status: str | None,
