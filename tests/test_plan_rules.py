@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -151,3 +152,40 @@ def test_run_rules_keeps_the_rule_order(bert: tuple[Trace, dict[str, Any]]) -> N
     order = [r.__name__ for r in R.RULES]
     assert [order.index(f["rule"]) for f in found] == sorted(order.index(f["rule"]) for f in found)
     assert {"checkpointing", "dataloader_starvation", "dynamic_padding"} <= {f["rule"] for f in found}
+
+
+def test_checkpointing_saving_never_exceeds_the_activations(bert: tuple[Trace, dict[str, Any]]) -> None:
+    """A saving is capped at what it saves from: with every block's measured frees inflated (as a
+    re-profile scaled twice would give), the finding still frees at most the activations at the peak."""
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    inflated = dataclasses.replace(
+        w, candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * 2) for c in w.candidates]
+    )
+    (f,) = R.checkpointing(R.RuleInput(trace, summary, inflated, None))
+    assert 0 < f["saving_bytes"] <= inflated.activations
+    assert "capped" in f["evidence"]
+    (plain,) = R.checkpointing(R.RuleInput(trace, summary, w, None))
+    assert plain["saving_bytes"] < w.activations and "capped" not in plain["evidence"]
+
+
+def test_checkpoint_saving_counts_a_nested_module_once(bert: tuple[Trace, dict[str, Any]]) -> None:
+    """A block and the modules inside it free the block's bytes once, not the sum of the three."""
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    by_name = {c.name: c for c in w.candidates}
+    blocks = [by_name[f"bert.encoder.layer.{i}"] for i in range(2)]
+    inner = [c for c in w.candidates if c.name.startswith("bert.encoder.layer.0.")]
+    assert inner, "the nested model has checkpoint candidates inside its blocks"
+    assert R.checkpoint_saving(w, blocks + inner) == R.checkpoint_saving(w, blocks)
+    assert R.checkpoint_saving(w, blocks) == blocks[0].free_bytes + blocks[1].free_bytes - max(
+        c.free_bytes for c in blocks
+    )
+
+
+def test_checkpointing_names_the_kind_of_its_peak(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    (f,) = _run(R.checkpointing, trace, summary)
+    assert "allocated peak, measured" in f["evidence"]

@@ -211,6 +211,21 @@ def summary_record(trace: Trace) -> dict[str, Any] | None:
     }
 
 
+def peak_words(trace: Trace, w: Workload) -> str:
+    """The peak a plan is made from, with its kind: ``11.76 GiB allocated peak, extrapolated to the full
+    batch from the re-profile at micro-batch 1/2``. It differs by design from the peak the run as it
+    is measured (a run that died measured only what it reached), so every sentence quoting it says
+    which one it is."""
+    text = f"{format_bytes(w.peak_bytes)} allocated peak"
+    found = summary_record(trace)
+    if found is None or not found["planned_from_reprofile"]:
+        return text + (", measured" if w.complete else ", measured until the run died")
+    if found["method"] == "checkpoint":
+        return text + ", rebuilt from the re-profile with every repeated block checkpointed"
+    k = found["accumulation_steps"]
+    return text + f", extrapolated to the full batch from the re-profile at micro-batch 1/{k}"
+
+
 def advice(found: dict[str, Any]) -> str:
     """The plan's first line about the re-profile (``found``: ``summary_record``'s)."""
     names = found["unmeasured_modules"]

@@ -20,10 +20,11 @@ from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.alternatives import block_stack
 from memdoctor.plan.config import Config
 from memdoctor.plan.measure import ATTENTION_SITE
-from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR
+from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR, memory_parts, outermost
 from memdoctor.plan.model import predict
 from memdoctor.plan.ninegrid import lever_priority
 from memdoctor.plan.planner import grad_scaler
+from memdoctor.plan.reprofiled import peak_words
 from memdoctor.plan.target import Target, fits
 from memdoctor.plan.timing import amp_time_factor
 from memdoctor.plan.workload import Candidate, Workload
@@ -91,23 +92,27 @@ def checkpointing(x: RuleInput) -> list[Finding]:
     w = x.workload
     if w is None or w.activations < CHECKPOINT_ACTIVATION_SHARE * w.peak_bytes or not w.candidates:
         return []
-    blocks = _stack(x)
+    blocks = outermost(_stack(x))
     if len(blocks) < 2:
         return []
-    frees = [c.free_bytes for c in blocks]
-    saving = sum(frees) - max(frees)
+    saving = checkpoint_saving(w, blocks)
     ms = sum(c.forward_ms for c in blocks)
-    held = f"activations are {format_bytes(w.activations)} of the {format_bytes(w.peak_bytes)} peak"
+    held = f"activations are {format_bytes(w.activations)} of the {peak_words(x.trace, w)}"
     if not w.complete:
         held = (
             f"activations come to {format_bytes(w.activations)} extrapolated to the whole step (the run "
-            f"died at {format_bytes(w.peak_bytes)})"
+            f"died at {format_bytes(w.peak_bytes)} allocated, measured)"
         )
     evidence = (
-        f"{held}; "
-        f"checkpointing the {len(blocks)} blocks {blocks[0].name} ... frees {format_bytes(saving)} net "
-        f"for {ms:.1f} ms of recomputation"
+        f"{held}; checkpointing the {len(blocks)} blocks {blocks[0].name} ... frees "
+        f"{format_bytes(saving)} net of them for {ms:.1f} ms of recomputation"
     )
+    if sum(c.free_bytes for c in blocks) > w.activations:
+        evidence += (
+            f" (what the blocks free, measured one by one, adds up to "
+            f"{format_bytes(sum(c.free_bytes for c in blocks))}, more than the activations at the peak: "
+            "the saving is capped at them)"
+        )
     severity = "critical" if x.over_budget() else "info"
     conf = "high" if w.complete else "low"
     return [
@@ -115,6 +120,16 @@ def checkpointing(x: RuleInput) -> list[Finding]:
             "checkpointing", severity, "checkpoint activations", evidence, saving, _step_fraction(ms, w), conf
         )
     ]
+
+
+def checkpoint_saving(w: Workload, chosen: list[Candidate]) -> int:
+    """The peak bytes checkpointing ``chosen`` saves, as the planner's memory model counts it
+    (``memory_parts``): a module nested in another chosen one adds nothing, what is freed never exceeds
+    the activations at the peak, and the largest module's activations come back while it is recomputed.
+    So the finding's figure is the plan's, and never more than what it saves from."""
+    config = Config(checkpoint=tuple(c.name for c in chosen))
+    after = memory_parts(w, config, outermost(chosen), [])["activations"]
+    return max(0, w.activations - after)
 
 
 def _stack(x: RuleInput) -> list[Candidate]:
