@@ -11,7 +11,10 @@ import pytest
 from memdoctor.analysis.steps import peak_step
 from memdoctor.cards import find_card
 from memdoctor.plan import rules as R
+from memdoctor.plan.agreement import plan_notes
 from memdoctor.plan.model import workload
+from memdoctor.plan.padding import Padding
+from memdoctor.plan.planner import make_plan
 from memdoctor.plan.target import Target
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace
@@ -189,3 +192,50 @@ def test_checkpointing_names_the_kind_of_its_peak(bert: tuple[Trace, dict[str, A
     trace, summary = bert
     (f,) = _run(R.checkpointing, trace, summary)
     assert "allocated peak, measured" in f["evidence"]
+
+
+def _padded(w: Any, worst: int) -> Any:
+    longest = (100, 200, 300, worst)
+    return dataclasses.replace(w, padding=Padding(512, worst, longest, {"p90": 300.0}))
+
+
+def test_padding_finding_and_plan_agree_on_the_peak(bert: tuple[Trace, dict[str, Any]]) -> None:
+    """The padding finding's saving is the longest batch's (what sets the peak), and where the plan
+    leaves padding out the finding says why: the long tail keeps a near full-length sequence."""
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    tail = _padded(w, 502)
+    s = dict(summary, padding_fraction=0.4)
+    (f,) = R.dynamic_padding(R.RuleInput(trace, s, tail, None))
+    assert f["saving_bytes"] == int(tail.activations * (1 - 504 / 512)) < 0.4 * tail.activations
+    plan = make_plan(tail, Target(int(w.peak_bytes * 0.8)))
+    assert plan.chosen is not None
+    plan_notes([f], plan, tail)
+    assert plan.chosen.config.padding == "trim" and f["plan_note"] == "in the plan"
+    config = dataclasses.replace(plan.chosen.config, padding="as-is", pad_to_multiple_of=None)
+    kept = dataclasses.replace(plan, chosen=dataclasses.replace(plan.chosen, config=config))
+    plan_notes([f], kept, tail)
+    assert f["plan_note"].startswith("not in the plan") and "502-token" in f["plan_note"]
+    short = _padded(w, 300)
+    (g,) = R.dynamic_padding(R.RuleInput(trace, s, short, None))
+    assert g["saving_bytes"] == int(short.activations * (1 - 304 / 512))
+
+
+def test_every_finding_says_how_it_stands_with_the_plan(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, _ = bert
+    summary = build_summary(trace)
+    assert summary["plan"] is not None and summary["findings"]
+    for f in summary["findings"]:
+        family = R.RULE_FAMILY.get(f["rule"])
+        assert (f["plan_note"] is not None) == (family is not None and f["saving_bytes"] > 0)
+    (ckpt,) = [f for f in summary["findings"] if f["rule"] == "checkpointing"]
+    used = bool(summary["plan"]["config"]["checkpoint"])
+    assert ckpt["plan_note"].startswith("in the plan" if used else "not in the plan")
+
+
+def test_no_plan_leaves_no_plan_note(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    found = R.run_rules(R.RuleInput(trace, summary, workload(trace, summary), None))
+    plan_notes(found, None, None)
+    assert found and all(f["plan_note"] is None for f in found)

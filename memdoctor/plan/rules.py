@@ -23,6 +23,7 @@ from memdoctor.plan.measure import ATTENTION_SITE
 from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR, memory_parts, outermost
 from memdoctor.plan.model import predict
 from memdoctor.plan.ninegrid import lever_priority
+from memdoctor.plan.padding import PAD_MULTIPLE
 from memdoctor.plan.planner import grad_scaler
 from memdoctor.plan.reprofiled import peak_words
 from memdoctor.plan.target import Target, fits
@@ -218,7 +219,7 @@ def allocator_fragmentation(x: RuleInput) -> list[Finding]:
     if retries == 0 and (gap < FRAGMENTATION_BYTES or gap < FRAGMENTATION_SHARE * reserved):
         return []
     evidence = (
-        f"peak reserved {format_bytes(reserved)} vs allocated {format_bytes(allocated)} "
+        f"measured at the peak step: reserved {format_bytes(reserved)} vs allocated {format_bytes(allocated)} "
         f"({format_bytes(gap)} unused in the cache), {retries} allocation "
         f"retr{'y' if retries == 1 else 'ies'}"
     )
@@ -242,7 +243,8 @@ def dataloader_starvation(x: RuleInput) -> list[Finding]:
 def dynamic_padding(x: RuleInput) -> list[Finding]:
     """Dynamic padding: many token positions are padding. Pad each batch to its own longest sequence
     (``DataCollatorWithPadding``), or bucket by length, with ``pad_to_multiple_of=8``/``16``; size the
-    budget for the largest batch the data can produce, not the average one."""
+    budget for the largest batch the data can produce, not the average one: the longest batch sets the
+    peak, so the saving is that batch's (the mean batch's shorter length saves time)."""
     pad, w = x.summary.get("padding_fraction"), x.workload
     if not isinstance(pad, (int, float)) or pad < PADDING_SHARE:
         return []
@@ -251,8 +253,22 @@ def dynamic_padding(x: RuleInput) -> list[Finding]:
     evidence = f"{pad:.0%} of the token positions are padding"
     if lengths.get("p90") is not None:
         evidence += f"; real lengths p50 {lengths['p50']:g}, p90 {lengths['p90']:g}, max {lengths['max']}"
+    if w is not None and w.padding is not None:
+        saving = padding_peak_saving(w)
+        evidence += (
+            f"; the longest batch ({w.padding.worst_longest} of {w.padding.padded} tokens) sets the peak: "
+            f"padded to its longest, it frees {format_bytes(saving)} there"
+        )
     cost = -float(pad) * (w.fwd_bwd_ms / w.step_ms) if w and w.fwd_bwd_ms and w.step_ms else None
     return [finding("dynamic_padding", "info", "pad dynamically", evidence, saving, cost, "medium")]
+
+
+def padding_peak_saving(w: Workload) -> int:
+    """The activations the longest measured batch sheds when padded to its own longest sequence (to a
+    multiple of ``PAD_MULTIPLE``): the planner's padding scale, so the finding and the plan agree."""
+    if w.padding is None:
+        return 0
+    return int(w.activations * (1.0 - w.padding.ratio("trim", PAD_MULTIPLE)))
 
 
 def optimizer_state(x: RuleInput) -> list[Finding]:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from memdoctor.analysis.verified import chosen_round, learned, plan_note, rounds
 from memdoctor.cards import CONTEXT_RESERVE_BYTES
+from memdoctor.plan.agreement import plan_notes
 from memdoctor.plan.alternatives import alternatives
 from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import ninegrid, priority
@@ -51,7 +52,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         reason = (
             "no budget: this run had no --budget and no GPU (memdoctor plan TRACE --budget SIZE makes one)"
         )
-    plan = None
+    plan, made = None, None
     if w is not None and target is not None:
         choice = verified_choice(trace)
         pw = corrected_workload(w, choice.correction) if choice.correction > 1.0 else w
@@ -70,6 +71,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         reprofiled = reprofile_record(trace)
         if reprofiled is not None:
             plan["advice"].insert(0, reprofile_advice(reprofiled))
+    plan_notes(findings, made, w)
     return {
         "ninegrid": grid,
         "lever_priority": ranked,
