@@ -18,6 +18,7 @@ from memdoctor.plan.rules import RULE_FAMILY, padding_peak_saving
 from memdoctor.plan.workload import Workload
 from memdoctor.units import format_bytes
 
+
 def plan_notes(findings: list[dict[str, Any]], plan: Plan | None, w: Workload | None) -> None:
     """Set each finding's ``plan_note``: None where the finding proposes no lever (time, health) or there
     is no plan; else whether its lever is in the plan, or the one reason it is not."""

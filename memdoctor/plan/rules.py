@@ -219,7 +219,8 @@ def allocator_fragmentation(x: RuleInput) -> list[Finding]:
     if retries == 0 and (gap < FRAGMENTATION_BYTES or gap < FRAGMENTATION_SHARE * reserved):
         return []
     evidence = (
-        f"measured at the peak step: reserved {format_bytes(reserved)} vs allocated {format_bytes(allocated)} "
+        f"measured at the peak step: reserved {format_bytes(reserved)} vs allocated "
+        f"{format_bytes(allocated)} "
         f"({format_bytes(gap)} unused in the cache), {retries} allocation "
         f"retr{'y' if retries == 1 else 'ies'}"
     )

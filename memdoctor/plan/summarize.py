@@ -19,6 +19,7 @@ from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import ninegrid, priority
 from memdoctor.plan.planner import make_plan
 from memdoctor.plan.reprofiled import advice as reprofile_advice
+from memdoctor.plan.reprofiled import peak_words
 from memdoctor.plan.reprofiled import summary_record as reprofile_record
 from memdoctor.plan.rules import RuleInput, run_rules
 from memdoctor.plan.target import Target
@@ -65,6 +66,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         if choice.round is not None:
             plan["advice"].insert(0, _verified_advice(choice))
         plan["verified_fits"] = choice.verified
+        plan["planned_peak"] = peak_words(trace, pw)  # the peak the plan is made from, with its kind
         plan["verify_note"] = plan_note(trace, plan)
         if choice.verified is False and plan["verify_note"]:
             plan["advice"].insert(0, plan["verify_note"])

@@ -30,6 +30,7 @@ from memdoctor.analysis.summary import shown_events
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
 from memdoctor.report import plots, plots_heatmap
+from memdoctor.report.peaks import footer_note, peak_rows
 from memdoctor.report.sections import report_sections
 from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, embedded_summary, summary_json
 from memdoctor.trace import CATEGORIES, PHASES, Trace
@@ -167,6 +168,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "events": _event_rows(trace, summary),
         "colors": plots.COLORS,
         "memdoctor_version": __version__,
+        "footer_note": footer_note(peak_rows(trace, summary), summary.get("findings") or []),
     }
 
 

@@ -12,6 +12,7 @@ from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW
 from memdoctor.plan.planner import card_table
 from memdoctor.report import plots_plan
+from memdoctor.report.peaks import peak_rows
 from memdoctor.trace import Trace
 from memdoctor.units import format_bytes
 
@@ -30,6 +31,7 @@ def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | No
         "cards": card_table(w, priority=(summary.get("lever_priority") or {}).get("order")),
         "lever_priority": summary.get("lever_priority"),
         "notes": list(w.notes),
+        "peaks": peak_rows(trace, summary),
         "context_reserve_bytes": CONTEXT_RESERVE_BYTES,
         "reason": None if summary.get("plan") else "no budget: this run had no --budget and no GPU",
     }

@@ -1,0 +1,92 @@
+"""One story of numbers: every peak the report quotes carries its memory (allocated, reserved) and its
+kind (measured, extrapolated, predicted); savings never exceed what they save from; the footer claims
+no more than the page shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tracebuilder import GiB, completed_trace
+
+from memdoctor.plan.model import workload
+from memdoctor.plan.planner import card_table
+from memdoctor.report import build_summary
+from memdoctor.report.peaks import footer_note, peak_rows
+from memdoctor.trace import Trace, load_trace
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def reprofiled() -> tuple[Trace, dict[str, Any]]:
+    """The recorded BERT-base b32 s512 run that died under 8 GiB and was planned from a re-profile."""
+    trace = load_trace(DATA / "gpu-bert-base-b32-s512-8gib-reprofiled.jsonl.gz")
+    return trace, build_summary(trace)
+
+
+def test_every_peak_of_a_reprofiled_run_says_what_it_is(reprofiled: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = reprofiled
+    rows = peak_rows(trace, summary)
+    kinds = [(r["memory"], r["kind"]) for r in rows]
+    assert kinds == [
+        ("allocated", "measured"),  # the run until it died
+        ("allocated", "extrapolated"),  # the re-profile scaled to the full batch
+        ("reserved", "predicted"),  # the script as it is on a card
+        ("reserved", "predicted"),  # the plan
+        ("reserved", "measured"),  # the plan, verified
+    ]
+    w = workload(trace, summary)
+    assert w is not None
+    assert rows[0]["bytes"] == summary["peak_memory_bytes"] and "lower bound" in rows[0]["what"]
+    assert rows[1]["bytes"] == w.peak_bytes and "re-profile" in rows[1]["what"]
+    assert rows[3]["bytes"] == summary["plan"]["predicted_reserved_bytes"]
+    planned = summary["plan"]["planned_peak"]
+    assert planned.endswith("extrapolated to the full batch from the re-profile at micro-batch 1/2")
+    as_is = [c for c in card_table(w) if c["verdict"] == "fits as-is"]
+    assert as_is and all(c["predicted_reserved_bytes"] == rows[2]["bytes"] for c in as_is)
+
+
+def test_no_saving_exceeds_what_it_saves_from(reprofiled: tuple[Trace, dict[str, Any]]) -> None:
+    """The recorded re-profile's blocks add up to more than its activations (each block measured over
+    both micro-batches, then scaled): the checkpointing finding still frees no more than them."""
+    trace, summary = reprofiled
+    w = workload(trace, summary)
+    assert w is not None
+    (ckpt,) = [f for f in summary["findings"] if f["rule"] == "checkpointing"]
+    assert 0 < ckpt["saving_bytes"] <= w.activations < w.peak_bytes
+    assert "allocated peak, extrapolated" in ckpt["evidence"]
+    for f in summary["findings"]:
+        assert f["saving_bytes"] <= w.peak_bytes, f["rule"]
+    (pad,) = [f for f in summary["findings"] if f["rule"] == "dynamic_padding"]
+    assert pad["plan_note"].startswith("not in the plan") and "longest batch" in pad["plan_note"]
+
+
+def test_footer_claims_no_more_than_the_page_shows(reprofiled: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = reprofiled
+    note = footer_note(peak_rows(trace, summary), summary["findings"])
+    assert "none is predicted" not in note
+    assert "extrapolated" in note and "predicted" in note and "measured with it applied" in note
+    measured = [{"bytes": 1, "memory": "allocated", "kind": "measured", "what": "the run"}]
+    assert footer_note(measured, []) == "Every figure is measured in that run; none is predicted."
+    assert "predicted" in footer_note(measured, [{"saving_bytes": 10}]).replace("none is predicted", "")
+
+
+def test_a_planned_run_has_no_extrapolated_peak_and_says_it_predicts() -> None:
+    trace = completed_trace(kind="cuda", budget_bytes=8 * GiB, layers=2)
+    summary = build_summary(trace)
+    rows = peak_rows(trace, summary)
+    assert [r["kind"] for r in rows][:2] == ["measured", "predicted"]
+    assert "extrapolated" not in {r["kind"] for r in rows}
+    assert "none is predicted" not in footer_note(rows, summary["findings"])
+
+
+def test_a_run_without_a_plan_or_savings_predicts_nothing() -> None:
+    trace = completed_trace(kind="cpu", budget_bytes=None, layers=1)
+    summary = build_summary(trace)
+    assert summary["plan"] is None
+    rows = peak_rows(trace, summary)
+    assert [(r["memory"], r["kind"]) for r in rows] == [("in tensors", "measured")]
+    assert not any(f["saving_bytes"] for f in summary["findings"])
+    assert footer_note(rows, summary["findings"]).endswith("none is predicted.")
