@@ -8,12 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tracebuilder import GiB, completed_trace
+from tracebuilder import GiB, TraceBuilder, bert_like, completed_trace
 
+from memdoctor.analysis.layers import top_layers
+from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.model import workload
 from memdoctor.plan.planner import card_table
-from memdoctor.report import build_summary
+from memdoctor.report import build_summary, plots
 from memdoctor.report.peaks import footer_note, peak_rows
+from memdoctor.report.render import activations_live, layer_chart
 from memdoctor.trace import Trace, load_trace
 
 DATA = Path(__file__).parent / "data"
@@ -90,3 +93,38 @@ def test_a_run_without_a_plan_or_savings_predicts_nothing() -> None:
     assert [(r["memory"], r["kind"]) for r in rows] == [("in tensors", "measured")]
     assert not any(f["saving_bytes"] for f in summary["findings"])
     assert footer_note(rows, summary["findings"]).endswith("none is predicted.")
+
+
+def _died_in_forward() -> Trace:
+    b = TraceBuilder(kind="cuda", budget_bytes=4 * GiB)
+    b.add_model(bert_like(layers=4))
+    b.add_step(warmup=True, die_at=("forward", "bert.encoder.layer.1"))
+    trace = b.end("oom", "CUDA out of memory during step 0", exit_code=1).build()
+    for cols in trace.steps[0].modules.values():  # as capture counts them: a module the run never reached
+        cols["calls"] = [1 if ms else 0 for ms in cols["forward_ms"]]  # finished no call
+    return trace
+
+
+def test_layers_a_run_never_reached_are_not_drawn_as_measured() -> None:
+    """The bars of layers after the one the run died in say they never ran (``ran`` False), so the
+    chart marks them "not reached" instead of drawing them as cheap."""
+    trace = _died_in_forward()
+    bars = {b["name"]: b for b in top_layers(trace, peak_step(trace))}
+    assert bars["bert.embeddings"]["ran"] and bars["bert.embeddings"]["activations"] > 0
+    for name in ("bert.encoder.layer.1", "bert.encoder.layer.2", "bert.encoder.layer.3", "classifier"):
+        assert not bars[name]["ran"] and bars[name]["activations"] == 0
+    summary = build_summary(trace)
+    assert layer_chart(trace, summary) is not None
+    assert layer_chart(trace, summary) != plots.layer_bars(list(bars.values()))  # the marks are drawn
+
+
+def test_bars_of_a_peak_in_the_optimizer_step_hold_no_activations() -> None:
+    """The recorded BERT b8 run peaks in its optimizer step, when its activations are freed: the
+    chart's activations are then drawn as not part of the peak."""
+    trace = load_trace(DATA / "gpu-bert-base-b8-s128-8gib.jsonl.gz")
+    summary = build_summary(trace)
+    assert summary["peak_phase"] == "optimizer" and not activations_live(summary)
+    bars = top_layers(trace, peak_step(trace))
+    assert sum(b["activations"] for b in bars) > 100 * summary["categories"]["activations"]
+    assert plots.layer_bars(bars, False) != plots.layer_bars(bars, True)
+    assert activations_live(build_summary(completed_trace(layers=2)))
