@@ -14,8 +14,8 @@ from memdoctor.analysis.layers import top_layers
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.model import workload
 from memdoctor.plan.planner import card_table
-from memdoctor.report import build_summary, plots
-from memdoctor.report.peaks import footer_note, peak_rows
+from memdoctor.report import build_summary, plots, plots_plan
+from memdoctor.report.peaks import footer_note, peak_parts, peak_rows
 from memdoctor.report.render import activations_live, layer_chart
 from memdoctor.trace import Trace, load_trace
 
@@ -128,3 +128,27 @@ def test_bars_of_a_peak_in_the_optimizer_step_hold_no_activations() -> None:
     assert sum(b["activations"] for b in bars) > 100 * summary["categories"]["activations"]
     assert plots.layer_bars(bars, False) != plots.layer_bars(bars, True)
     assert activations_live(build_summary(completed_trace(layers=2)))
+
+
+def test_the_reprofile_a_plan_comes_from_is_plotted(reprofiled: tuple[Trace, dict[str, Any]]) -> None:
+    """Planned from a re-profile: the chart holds the run that died, the re-profile as measured, its
+    full-batch extrapolation, the plan and the plan verified, each bar adding up to its peak."""
+    trace, summary = reprofiled
+    bars = peak_parts(trace, summary)
+    assert [b["kind"] for b in bars] == ["measured", "measured", "extrapolated", "predicted", "measured"]
+    w = workload(trace, summary)
+    assert w is not None
+    k = summary["reprofile"]["accumulation_steps"]
+    assert bars[0]["total"] == summary["peak_memory_bytes"] and bars[2]["total"] == w.peak_bytes
+    assert bars[1]["parts"]["activations"] * k == pytest.approx(w.activations, abs=k)
+    assert bars[1]["total"] < bars[2]["total"]
+    assert bars[3]["total"] == summary["plan"]["predicted_peak_bytes"]
+    for b in bars:
+        assert sum(b["parts"].values()) == b["total"], b["label"]
+    assert plots_plan.peak_parts(bars, summary["plan"]["budget_bytes"]) is not None
+
+
+def test_a_run_measured_whole_plots_no_reprofile() -> None:
+    trace = completed_trace(kind="cuda", budget_bytes=8 * GiB, layers=2)
+    assert peak_parts(trace, build_summary(trace)) == []
+    assert plots_plan.peak_parts([], None) is None

@@ -89,5 +89,63 @@ def footer_note(rows: list[dict[str, Any]], findings: list[dict[str, Any]]) -> s
     return text[0].upper() + text[1:] + ". Each peak says which it is."
 
 
+STACK = ("parameters", "gradients", "optimizer_state", "activations", "other")
+
+
+def peak_parts(trace: Trace, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The re-profile a plan is made from, beside the run it stands in for: ``[{label, kind, parts}]``
+    (allocated bytes by category) for the run as it is (measured until it died), the re-profile at
+    micro-batch 1/k (measured), the full batch from it (extrapolated), the plan (predicted) and the
+    plan verified (measured, its total only). Empty unless the plan comes from a micro-batch re-profile:
+    only then is the step the plan is made from a different run from the one the page measured."""
+    w = workload(trace, summary)
+    found = summary.get("reprofile") or {}
+    k = found.get("accumulation_steps")
+    peak = summary.get("peak_memory_bytes")
+    if (
+        w is None
+        or peak is None
+        or not found.get("planned_from_reprofile")
+        or found.get("method") != "micro_batch"
+    ):
+        return []
+    if not k:
+        return []
+    cats = summary.get("categories") or {}
+    bars = [_bar("the run as it is, until it died", "measured", {c: cats.get(c) for c in STACK[:4]}, peak)]
+    state = {
+        "parameters": w.parameters,
+        "gradients": w.gradients_at_peak,
+        "optimizer_state": w.optimizer_state,
+    }
+    one = {**state, "activations": w.activations // k, "other": w.temporaries // k + w.fixed}
+    bars.append(_bar(f"the re-profile, micro-batch 1/{k}", "measured", one, sum(one.values())))
+    full = {**state, "activations": w.activations, "other": w.temporaries + w.fixed}
+    bars.append(_bar("the full batch, from the re-profile", "extrapolated", full, w.peak_bytes))
+    plan = summary.get("plan") or {}
+    breakdown = (plan.get("prediction") or {}).get("breakdown") or {}
+    if breakdown and not plan.get("fits_as_is"):
+        bars.append(
+            _bar(
+                "the plan",
+                "predicted",
+                {c: breakdown.get(c) for c in STACK[:4]},
+                plan["predicted_peak_bytes"],
+            )
+        )
+    final = chosen_round(rounds_with_error(trace))
+    if final is not None and final.get("measured_allocated_peak_bytes"):
+        total = int(final["measured_allocated_peak_bytes"])
+        bars.append(_bar("the plan, verified", "measured", {"other": total}, total))
+    return bars
+
+
+def _bar(label: str, kind: str, parts: dict[str, Any], total: int) -> dict[str, Any]:
+    """A bar whose parts add up to ``total``: what the named categories leave is "other"."""
+    known = {c: int(parts.get(c) or 0) for c in STACK[:4]}
+    known["other"] = max(0, int(total) - sum(known.values())) if "other" not in parts else int(parts["other"])
+    return {"label": label, "kind": kind, "parts": known, "total": int(total)}
+
+
 def _row(n: int, memory: str, kind: str, what: str) -> dict[str, Any]:
     return {"bytes": int(n), "memory": memory, "kind": kind, "what": what}
