@@ -258,7 +258,7 @@ def dynamic_padding(x: RuleInput) -> list[Finding]:
         saving = padding_peak_saving(w)
         evidence += (
             f"; the longest batch ({w.padding.worst_longest} of {w.padding.padded} tokens) sets the peak: "
-            f"padded to its longest, it frees {format_bytes(saving)} there"
+            f"padded to its longest, it frees {format_bytes(saving) if saving else 'nothing'} there"
         )
     cost = -float(pad) * (w.fwd_bwd_ms / w.step_ms) if w and w.fwd_bwd_ms and w.step_ms else None
     return [finding("dynamic_padding", "info", "pad dynamically", evidence, saving, cost, "medium")]
