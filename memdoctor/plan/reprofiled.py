@@ -95,14 +95,25 @@ def state_beyond(trace: Trace, optimizers: tuple[str, ...] | list[str], budget: 
     )
 
 
-def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -> Workload:
-    """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring)."""
+def full_batch(
+    w: Workload, k: int, batch: int | None, oom_budget: int | None, module_scale: int | None = None
+) -> Workload:
+    """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring).
+    ``module_scale``: what each module's figures are multiplied by (default ``k``; 1 where the
+    capture already summed them over the ``k`` micro-batches: ``module_scale``)."""
+    scale = k if module_scale is None else module_scale
     part = f" ({batch // k} of {batch})" if batch and batch % k == 0 else ""
+    frees = f"what each module frees when checkpointed x{scale}"
+    if scale != k:
+        frees = (
+            "what each module frees when checkpointed as measured (the split ran the micro-batches inside "
+            f"one forward call, so each module's figure already sums them: x{scale})"
+        )
     note = (
         f"planned from a re-profile at micro-batch 1/{k}{part}: the run as it is died before its forward "
-        f"finished. Activations, temporaries and what each module frees when checkpointed are that run's "
-        f"x{k} (they scale with the micro-batch, an assumption); its step time, of the full batch in {k} "
-        "micro-batches, is taken as the full batch's"
+        f"finished. Activations and temporaries are that run's x{k} (they scale with the micro-batch, an "
+        f"assumption), {frees}; its step time, of the full batch in {k} micro-batches, is taken as the "
+        "full batch's"
     )
     grown = (w.activations + w.temporaries) * (k - 1)
     return dataclasses.replace(
@@ -111,7 +122,7 @@ def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -
         activations=w.activations * k,
         temporaries=w.temporaries * k,
         attention_temporaries=w.attention_temporaries * k,
-        candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * k) for c in w.candidates],
+        candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * scale) for c in w.candidates],
         batch_size=batch or (w.batch_size * k if w.batch_size else None),
         as_is_oom_budget=oom_budget,
         notes=[*w.notes, note],
@@ -123,7 +134,27 @@ def reprofile_workload(
 ) -> Workload | None:
     """The full-batch workload of a re-profile at micro-batch 1/``k`` (None without a memory figure)."""
     w = measured_workload(trace, summary)
-    return None if w is None else full_batch(w, k, batch, oom_budget)
+    return None if w is None else full_batch(w, k, batch, oom_budget, module_scale(trace, w, k))
+
+
+def module_scale(trace: Trace, w: Workload, k: int) -> int:
+    """What a re-profile's per-module figures (``checkpoint_free_bytes``) are multiplied by for the full
+    batch: ``k``, or less where the capture already summed them over several micro-batches. It folds a
+    step's micro-batches by the largest (``memdoctor.capture.stepbuild``) only when each starts with a
+    top-level forward; a split inside the forward (``memdoctor.levers.microbatch``) runs them all in one
+    call of the model, so each module's figure sums its ``k`` calls. Multiplied by ``k`` again, a BERT
+    block's came out twice the full batch's and its blocks added up to twice the activations. Seen as:
+    fewer micro-batches in the step than ``k``, and every candidate called a multiple of that many times."""
+    step = peak_step(trace)
+    folds = step.micro_batches if step is not None else k
+    if folds <= 0 or folds >= k or k % folds:
+        return k
+    inner = k // folds  # micro-batches each of the step's folds holds
+    keys = {c.key for c in w.candidates}
+    calls = [r["calls"] for r in layer_table(trace, step) if (r["model"], r["index"]) in keys]
+    if not calls or any(not n or n % inner for n in calls):
+        return k
+    return k // inner
 
 
 # ----------------------------------------------------------------------------------------- the record
