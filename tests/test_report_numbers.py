@@ -142,6 +142,7 @@ def test_the_reprofile_a_plan_comes_from_is_plotted(reprofiled: tuple[Trace, dic
     assert bars[0]["total"] == summary["peak_memory_bytes"] and bars[2]["total"] == w.peak_bytes
     assert bars[1]["parts"]["activations"] * k == pytest.approx(w.activations, abs=k)
     assert bars[1]["total"] < bars[2]["total"]
+    assert bars[1]["total"] <= summary["plan"]["budget_bytes"]  # it ran under the same 8 GiB cap
     assert bars[3]["total"] == summary["plan"]["predicted_peak_bytes"]
     for b in bars:
         assert sum(b["parts"].values()) == b["total"], b["label"]

@@ -118,9 +118,11 @@ def peak_parts(trace: Trace, summary: dict[str, Any]) -> list[dict[str, Any]]:
         "gradients": w.gradients_at_peak,
         "optimizer_state": w.optimizer_state,
     }
-    one = {**state, "activations": w.activations // k, "other": w.temporaries // k + w.fixed}
-    bars.append(_bar(f"the re-profile, micro-batch 1/{k}", "measured", one, sum(one.values())))
-    full = {**state, "activations": w.activations, "other": w.temporaries + w.fixed}
+    # the re-profile's own peak: the full batch's less what ``full_batch`` added for the other k-1 parts
+    one = w.peak_bytes - (w.activations + w.temporaries) * (k - 1) // k
+    micro = {**state, "activations": w.activations // k}
+    bars.append(_bar(f"the re-profile, micro-batch 1/{k}", "measured", micro, one))
+    full = {**state, "activations": w.activations}
     bars.append(_bar("the full batch, from the re-profile", "extrapolated", full, w.peak_bytes))
     plan = summary.get("plan") or {}
     breakdown = (plan.get("prediction") or {}).get("breakdown") or {}
@@ -141,10 +143,11 @@ def peak_parts(trace: Trace, summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _bar(label: str, kind: str, parts: dict[str, Any], total: int) -> dict[str, Any]:
-    """A bar whose parts add up to ``total``: what the named categories leave is "other"."""
+    """A bar whose parts add up to ``total``: what the named categories leave is "other" (where they
+    come to more, an assumed part such as optimizer state not yet created, the total is theirs)."""
     known = {c: int(parts.get(c) or 0) for c in STACK[:4]}
-    known["other"] = max(0, int(total) - sum(known.values())) if "other" not in parts else int(parts["other"])
-    return {"label": label, "kind": kind, "parts": known, "total": int(total)}
+    known["other"] = int(parts["other"]) if "other" in parts else max(0, int(total) - sum(known.values()))
+    return {"label": label, "kind": kind, "parts": known, "total": max(int(total), sum(known.values()))}
 
 
 def _row(n: int, memory: str, kind: str, what: str) -> dict[str, Any]:
