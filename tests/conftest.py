@@ -77,6 +77,7 @@ FAST_FILES = frozenset(
         "test_progress.py",
         "test_redact.py",
         "test_report.py",
+        "test_report_numbers.py",
         "test_report_visuals.py",
         "test_reprofile.py",
         "test_reprofile_checkpoint.py",

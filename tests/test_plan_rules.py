@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -10,7 +11,10 @@ import pytest
 from memdoctor.analysis.steps import peak_step
 from memdoctor.cards import find_card
 from memdoctor.plan import rules as R
+from memdoctor.plan.agreement import plan_notes
 from memdoctor.plan.model import workload
+from memdoctor.plan.padding import Padding
+from memdoctor.plan.planner import make_plan
 from memdoctor.plan.target import Target
 from memdoctor.report import build_summary
 from memdoctor.trace import Trace
@@ -151,3 +155,87 @@ def test_run_rules_keeps_the_rule_order(bert: tuple[Trace, dict[str, Any]]) -> N
     order = [r.__name__ for r in R.RULES]
     assert [order.index(f["rule"]) for f in found] == sorted(order.index(f["rule"]) for f in found)
     assert {"checkpointing", "dataloader_starvation", "dynamic_padding"} <= {f["rule"] for f in found}
+
+
+def test_checkpointing_saving_never_exceeds_the_activations(bert: tuple[Trace, dict[str, Any]]) -> None:
+    """A saving is capped at what it saves from: with every block's measured frees inflated (as a
+    re-profile scaled twice would give), the finding still frees at most the activations at the peak."""
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    inflated = dataclasses.replace(
+        w, candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * 2) for c in w.candidates]
+    )
+    (f,) = R.checkpointing(R.RuleInput(trace, summary, inflated, None))
+    assert 0 < f["saving_bytes"] <= inflated.activations
+    assert "capped" in f["evidence"]
+    (plain,) = R.checkpointing(R.RuleInput(trace, summary, w, None))
+    assert plain["saving_bytes"] < w.activations and "capped" not in plain["evidence"]
+
+
+def test_checkpoint_saving_counts_a_nested_module_once(bert: tuple[Trace, dict[str, Any]]) -> None:
+    """A block and the modules inside it free the block's bytes once, not the sum of the three."""
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    by_name = {c.name: c for c in w.candidates}
+    blocks = [by_name[f"bert.encoder.layer.{i}"] for i in range(2)]
+    inner = [c for c in w.candidates if c.name.startswith("bert.encoder.layer.0.")]
+    assert inner, "the nested model has checkpoint candidates inside its blocks"
+    assert R.checkpoint_saving(w, blocks + inner) == R.checkpoint_saving(w, blocks)
+    assert R.checkpoint_saving(w, blocks) == blocks[0].free_bytes + blocks[1].free_bytes - max(
+        c.free_bytes for c in blocks
+    )
+
+
+def test_checkpointing_names_the_kind_of_its_peak(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    (f,) = _run(R.checkpointing, trace, summary)
+    assert "allocated peak, measured" in f["evidence"]
+
+
+def _padded(w: Any, worst: int) -> Any:
+    longest = (100, 200, 300, worst)
+    return dataclasses.replace(w, padding=Padding(512, worst, longest, {"p90": 300.0}))
+
+
+def test_padding_finding_and_plan_agree_on_the_peak(bert: tuple[Trace, dict[str, Any]]) -> None:
+    """The padding finding's saving is the longest batch's (what sets the peak), and where the plan
+    leaves padding out the finding says why: the long tail keeps a near full-length sequence."""
+    trace, summary = bert
+    w = workload(trace, summary)
+    assert w is not None
+    tail = _padded(w, 502)
+    s = dict(summary, padding_fraction=0.4)
+    (f,) = R.dynamic_padding(R.RuleInput(trace, s, tail, None))
+    assert f["saving_bytes"] == int(tail.activations * (1 - 504 / 512)) < 0.4 * tail.activations
+    plan = make_plan(tail, Target(int(w.peak_bytes * 0.8)))
+    assert plan.chosen is not None
+    plan_notes([f], plan, tail)
+    assert plan.chosen.config.padding == "trim" and f["plan_note"] == "in the plan"
+    config = dataclasses.replace(plan.chosen.config, padding="as-is", pad_to_multiple_of=None)
+    kept = dataclasses.replace(plan, chosen=dataclasses.replace(plan.chosen, config=config))
+    plan_notes([f], kept, tail)
+    assert f["plan_note"].startswith("not in the plan") and "502-token" in f["plan_note"]
+    short = _padded(w, 300)
+    (g,) = R.dynamic_padding(R.RuleInput(trace, s, short, None))
+    assert g["saving_bytes"] == int(short.activations * (1 - 304 / 512))
+
+
+def test_every_finding_says_how_it_stands_with_the_plan(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, _ = bert
+    summary = build_summary(trace)
+    assert summary["plan"] is not None and summary["findings"]
+    for f in summary["findings"]:
+        family = R.RULE_FAMILY.get(f["rule"])
+        assert (f["plan_note"] is not None) == (family is not None and f["saving_bytes"] > 0)
+    (ckpt,) = [f for f in summary["findings"] if f["rule"] == "checkpointing"]
+    used = bool(summary["plan"]["config"]["checkpoint"])
+    assert ckpt["plan_note"].startswith("in the plan" if used else "not in the plan")
+
+
+def test_no_plan_leaves_no_plan_note(bert: tuple[Trace, dict[str, Any]]) -> None:
+    trace, summary = bert
+    found = R.run_rules(R.RuleInput(trace, summary, workload(trace, summary), None))
+    plan_notes(found, None, None)
+    assert found and all(f["plan_note"] is None for f in found)

@@ -4,6 +4,7 @@ and one real end-to-end run on CPU with an emulated out-of-memory error."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import pytest
 
 from memdoctor import exitcodes
+from memdoctor.analysis.layers import layer_table
+from memdoctor.analysis.steps import peak_step
 from memdoctor.cli import main, parse_args
 from memdoctor.cli.terminal import say
 from memdoctor.launch.reprofile import needed, reprofile
@@ -25,6 +28,8 @@ from memdoctor.plan.reprofiled import (
     as_record,
     from_record,
     full_batch,
+    module_scale,
+    reprofile_workload,
     reprofiled_workload,
     unmeasured_modules,
 )
@@ -457,3 +462,90 @@ def test_the_planner_proposes_micro_batching_only_where_a_split_applies() -> Non
     trace.collected["data"]["lookahead"] = 0
     w = measured_workload(trace, build_summary(trace))
     assert w is not None and w.split.kind == "loader" and accumulations(w) == [1, 2, 4, 8]
+
+
+def test_a_forward_split_reprofile_is_not_scaled_twice(gpt2_b8: tuple[Trace, dict[str, Any]]) -> None:
+    """A split inside the forward runs the k micro-batches in one call of the model, so each module's
+    figures already sum its k calls: its candidates are not multiplied by k again (a BERT block came
+    out at twice the full batch's that way). A re-profile whose micro-batches each start a top-level
+    forward keeps the x k."""
+    trace, summary = gpt2_b8
+    w = measured_workload(trace, summary)
+    assert w is not None and w.candidates
+    assert module_scale(trace, w, 2) == 2  # one call per module in one micro-batch: scaled x2
+    split = copy.deepcopy(trace)
+    step = peak_step(split)
+    assert step is not None and step.micro_batches == 1
+    for cols in step.modules.values():
+        cols["calls"] = [2 * n for n in cols["calls"]]
+    assert module_scale(split, w, 2) == 1
+    assert module_scale(split, w, 4) == 4  # two calls are not four micro-batches
+    sw = reprofile_workload(split, summary, 2, 16, None)
+    assert sw is not None
+    by_key = {c.key: c.free_bytes for c in w.candidates}
+    assert all(c.free_bytes == by_key[c.key] for c in sw.candidates)
+    assert sw.activations == 2 * w.activations  # what the ledger holds at the peak still scales
+    assert "already sums them" in sw.notes[-1]
+
+
+SPLIT_LOOP = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return {"loss": nn.functional.mse_loss(self.head(x).squeeze(-1), y)}
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(3):
+    loss = model(torch.randn(64, 32, 64), torch.randn(64, 32))["loss"]  # blocks free > 1 MiB: candidates
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_a_forward_split_measures_each_module_over_all_its_micro_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``module_scale`` rests on, measured: profiled with the batch split in two inside the
+    forward, each block reports the whole batch's checkpoint_free_bytes (2 calls, 1 micro-batch)."""
+    monkeypatch.chdir(tmp_path)
+    Path("loop.py").write_text(SPLIT_LOOP)
+    Path("mb.yaml").write_text("memdoctor_config: 1\naccumulation_steps: 2\naccumulation_split: forward\n")
+    base = ["profile", "--warmup", "0", "--steps", "2"]
+    assert main([*base, "-o", "full", "loop.py"]) == exitcodes.OK
+    assert main([*base, "--config", "mb.yaml", "-o", "split", "loop.py"]) == exitcodes.OK
+    rows = {}
+    for name in ("full", "split"):
+        trace = load_trace(Path(name) / "trace.jsonl.gz")
+        step = peak_step(trace)
+        assert step is not None and step.micro_batches == 1
+        rows[name] = {r["name"]: r for r in layer_table(trace, step)}
+    full, split = rows["full"]["blocks.0"], rows["split"]["blocks.0"]
+    assert (full["calls"], split["calls"]) == (1, 2)
+    assert split["checkpoint_free_bytes"] == full["checkpoint_free_bytes"] > 0
+    trace = load_trace(Path("split") / "trace.jsonl.gz")
+    w = measured_workload(trace, build_summary(trace))
+    assert w is not None and module_scale(trace, w, 2) == 1

@@ -276,7 +276,8 @@ def test_cpu_trace_has_no_allocator_figures() -> None:
     assert s["categories"]["other"] is None
     assert s["accounted_fraction"] == 1.0
     assert any("allocator" in note for note in s["not_measured"])
-    assert s["headline"] == f"Peak {format_bytes(s['peak_memory_bytes'])}: {share}% of it activations."
+    peak = format_bytes(s["peak_memory_bytes"])
+    assert s["headline"] == f"Measured peak {peak} in tensors: {share}% of it activations."
 
 
 def test_allocator_note_is_derived_when_the_header_does_not_say() -> None:

@@ -37,9 +37,10 @@ def headline(summary: dict[str, Any]) -> str:
 
 
 def peak_sentence(summary: dict[str, Any]) -> str:
-    """E.g. ``Peak 11.40 GiB of 8.00 GiB budget: 62% of it activations.``"""
+    """E.g. ``Measured peak 11.40 GiB allocated of 8.00 GiB budget: 62% of it activations.`` The page
+    quotes other peaks too (extrapolated, predicted, reserved), so this one says its kind."""
     peak = summary["peak_memory_bytes"]
-    text = f"Peak {format_bytes(peak)}"
+    text = f"Measured peak {format_bytes(peak)} {peak_memory_word(summary)}"
     limit, kind = memory_limit(summary)
     if limit:
         name = summary["device"].get("name") or "GPU"
@@ -51,6 +52,12 @@ def peak_sentence(summary: dict[str, Any]) -> str:
         return text + "."
     top = max(cats, key=lambda k: cats[k])
     return text + f": {round(100 * cats[top] / peak)}% of it {CATEGORY_LABELS[top].split(' (')[0]}."
+
+
+def peak_memory_word(summary: dict[str, Any]) -> str:
+    """Which memory the measured peak counts: the CUDA allocator's ``allocated`` bytes, else the tensors
+    memdoctor accounted for (a CPU run has no allocator; reserved memory is never the headline's)."""
+    return "in tensors" if summary.get("peak_source") == "accounting" else "allocated"
 
 
 def memory_limit(summary: dict[str, Any]) -> tuple[int | None, str]:
@@ -86,12 +93,12 @@ def _fault_memory(summary: dict[str, Any]) -> str:
     """``, with 7.62 GiB allocated (budget 8.00 GiB)`` from the last sample before the fault."""
     live = summary.get("live_at_fault") or {}
     held = (live.get("allocator") or {}).get("allocated")
-    text = f", with {format_bytes(held)} allocated" if held else ""
+    text = f", with {format_bytes(held)} allocated (measured)" if held else ""
     if not held and live.get("categories"):
         held = sum(v or 0 for v in live["categories"].values())
-        text = f", with {format_bytes(held)} in tensors" if held else ""
+        text = f", with {format_bytes(held)} in tensors (measured)" if held else ""
     limit, kind = memory_limit(summary)
-    return text + (f" ({kind} {format_bytes(limit)})" if text and limit else "")
+    return text[:-1] + (f"; {kind} {format_bytes(limit)})" if limit else ")") if text else ""
 
 
 def _fault_subject(summary: dict[str, Any], fault: dict[str, Any]) -> str:

@@ -206,7 +206,16 @@ def _bar(row: dict[str, Any], own_only: bool) -> dict[str, Any]:
         values = {**row["inclusive"], "activations": row["activation_bytes"] or 0}
     name = row["name"] + (" (own)" if own_only else "")
     total = sum(values.values())
-    return {"name": name, "type": row["type"], "own": own_only, "layers": 1, **values, "total": total}
+    ran = bool(row["calls"])  # False: never called in the step (the run died first, or unused)
+    return {
+        "name": name,
+        "type": row["type"],
+        "own": own_only,
+        "layers": 1,
+        **values,
+        "total": total,
+        "ran": ran,
+    }
 
 
 def _group_rest(bars: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
@@ -216,6 +225,7 @@ def _group_rest(bars: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
     rest = [b for i, b in enumerate(bars) if i not in keep]
     other: dict[str, Any] = {"name": f"other ({len(rest)} layers)", "type": "", "own": False}
     other["layers"] = len(rest)
+    other["ran"] = any(b["ran"] for b in rest)
     for key in (*ACCOUNTED, "total"):
         other[key] = sum(b[key] for b in rest)
     return [b for i, b in enumerate(bars) if i in keep] + [other]

@@ -223,7 +223,7 @@ def _plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     ratio = plan["predicted_step_time_ratio"]
     rows = [
         ("budget", f"{format_bytes(plan['budget_bytes'])}{where}, {margin}"),
-        ("measured peak", format_bytes(plan["measured_peak_bytes"])),
+        ("planned from", plan.get("planned_peak") or format_bytes(plan["measured_peak_bytes"])),
     ]
     if plan["fits_as_is"]:
         verdict = "fits as it is"

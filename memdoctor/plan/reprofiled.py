@@ -98,19 +98,30 @@ def state_beyond(trace: Trace, optimizers: tuple[str, ...] | list[str], budget: 
     )
 
 
-def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -> Workload:
+def full_batch(
+    w: Workload, k: int, batch: int | None, oom_budget: int | None, module_scale: int | None = None
+) -> Workload:
     """The workload measured at micro-batch 1/``k`` as the full batch's (module docstring). Split inside
     the forward (``w.split``: the split the re-profile used), the run held more of the forward's outputs
     than its micro-batch's share (``memory.held_outputs``): that part of its temporaries is not
-    multiplied, so that the plan at ``k`` predicts what the re-profile measured."""
+    multiplied, so that the plan at ``k`` predicts what the re-profile measured. ``module_scale``: what
+    each module's figures are multiplied by (default ``k``; 1 where the capture already summed them over
+    the ``k`` micro-batches: ``module_scale``)."""
+    scale = k if module_scale is None else module_scale
     part = f" ({batch // k} of {batch})" if batch and batch % k == 0 else ""
+    frees = f"what each module frees when checkpointed x{scale}"
+    if scale != k:
+        frees = (
+            "what each module frees when checkpointed as measured (the split ran the micro-batches inside "
+            f"one forward call, so each module's figure already sums them: x{scale})"
+        )
     outputs = _full_outputs(w, k, batch)
     held = min(held_outputs(outputs, k), w.temporaries) if w.split.kind == "forward" else 0
     note = (
         f"planned from a re-profile at micro-batch 1/{k}{part}: the run as it is died before its forward "
-        f"finished. Activations, temporaries and what each module frees when checkpointed are that run's "
-        f"x{k} (they scale with the micro-batch, an assumption); its step time, of the full batch in {k} "
-        "micro-batches, is taken as the full batch's"
+        f"finished. Activations and temporaries are that run's x{k} (they scale with the micro-batch, an "
+        f"assumption), {frees}; its step time, of the full batch in {k} micro-batches, is taken as the "
+        "full batch's"
     )
     if held:
         note += f"; the earlier micro-batches' outputs its split held ({held} bytes) are not multiplied"
@@ -121,7 +132,7 @@ def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -
         activations=w.activations * k,
         temporaries=temporaries,
         attention_temporaries=w.attention_temporaries * k,
-        candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * k) for c in w.candidates],
+        candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * scale) for c in w.candidates],
         batch_size=batch or (w.batch_size * k if w.batch_size else None),
         as_is_oom_budget=oom_budget,
         root_output_bytes=outputs,
@@ -150,7 +161,27 @@ def reprofile_workload(
     w = measured_workload(trace, summary)
     if w is not None and split is not None:
         w = dataclasses.replace(w, split=split)
-    return None if w is None else full_batch(w, k, batch, oom_budget)
+    return None if w is None else full_batch(w, k, batch, oom_budget, module_scale(trace, w, k))
+
+
+def module_scale(trace: Trace, w: Workload, k: int) -> int:
+    """What a re-profile's per-module figures (``checkpoint_free_bytes``) are multiplied by for the full
+    batch: ``k``, or less where the capture already summed them over several micro-batches. It folds a
+    step's micro-batches by the largest (``memdoctor.capture.stepbuild``) only when each starts with a
+    top-level forward; a split inside the forward (``memdoctor.levers.microbatch``) runs them all in one
+    call of the model, so each module's figure sums its ``k`` calls. Multiplied by ``k`` again, a BERT
+    block's came out twice the full batch's and its blocks added up to twice the activations. Seen as:
+    fewer micro-batches in the step than ``k``, and every candidate called a multiple of that many times."""
+    step = peak_step(trace)
+    folds = step.micro_batches if step is not None else k
+    if folds <= 0 or folds >= k or k % folds:
+        return k
+    inner = k // folds  # micro-batches each of the step's folds holds
+    keys = {c.key for c in w.candidates}
+    calls = [r["calls"] for r in layer_table(trace, step) if (r["model"], r["index"]) in keys]
+    if not calls or any(not n or n % inner for n in calls):
+        return k
+    return k // inner
 
 
 # ----------------------------------------------------------------------------------------- the record
@@ -236,6 +267,21 @@ def summary_record(trace: Trace) -> dict[str, Any] | None:
         "why_no_split": None if why is None else str(why),
         "checkpointed": [str(b) for b in blocks] if isinstance(blocks, list) else [],
     }
+
+
+def peak_words(trace: Trace, w: Workload) -> str:
+    """The peak a plan is made from, with its kind: ``11.76 GiB allocated peak, extrapolated to the full
+    batch from the re-profile at micro-batch 1/2``. It differs by design from the peak the run as it
+    is measured (a run that died measured only what it reached), so every sentence quoting it says
+    which one it is."""
+    text = f"{format_bytes(w.peak_bytes)} allocated peak"
+    found = summary_record(trace)
+    if found is None or not found["planned_from_reprofile"]:
+        return text + (", measured" if w.complete else ", measured until the run died")
+    if found["method"] == "checkpoint":
+        return text + ", rebuilt from the re-profile with every repeated block checkpointed"
+    k = found["accumulation_steps"]
+    return text + f", extrapolated to the full batch from the re-profile at micro-batch 1/{k}"
 
 
 def advice(found: dict[str, Any]) -> str:

@@ -20,10 +20,12 @@ from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.alternatives import block_stack
 from memdoctor.plan.config import Config
 from memdoctor.plan.measure import ATTENTION_SITE
-from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR
+from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR, AMP_WEIGHT_CACHE_FACTOR, memory_parts, outermost
 from memdoctor.plan.model import predict
 from memdoctor.plan.ninegrid import lever_priority
+from memdoctor.plan.padding import PAD_MULTIPLE
 from memdoctor.plan.planner import grad_scaler
+from memdoctor.plan.reprofiled import peak_words
 from memdoctor.plan.target import Target, fits
 from memdoctor.plan.timing import amp_time_factor
 from memdoctor.plan.workload import Candidate, Workload
@@ -91,23 +93,27 @@ def checkpointing(x: RuleInput) -> list[Finding]:
     w = x.workload
     if w is None or w.activations < CHECKPOINT_ACTIVATION_SHARE * w.peak_bytes or not w.candidates:
         return []
-    blocks = _stack(x)
+    blocks = outermost(_stack(x))
     if len(blocks) < 2:
         return []
-    frees = [c.free_bytes for c in blocks]
-    saving = sum(frees) - max(frees)
+    saving = checkpoint_saving(w, blocks)
     ms = sum(c.forward_ms for c in blocks)
-    held = f"activations are {format_bytes(w.activations)} of the {format_bytes(w.peak_bytes)} peak"
+    held = f"activations are {format_bytes(w.activations)} of the {peak_words(x.trace, w)}"
     if not w.complete:
         held = (
             f"activations come to {format_bytes(w.activations)} extrapolated to the whole step (the run "
-            f"died at {format_bytes(w.peak_bytes)})"
+            f"died at {format_bytes(w.peak_bytes)} allocated, measured)"
         )
     evidence = (
-        f"{held}; "
-        f"checkpointing the {len(blocks)} blocks {blocks[0].name} ... frees {format_bytes(saving)} net "
-        f"for {ms:.1f} ms of recomputation"
+        f"{held}; checkpointing the {len(blocks)} blocks {blocks[0].name} ... frees "
+        f"{format_bytes(saving)} net of them for {ms:.1f} ms of recomputation"
     )
+    if sum(c.free_bytes for c in blocks) > w.activations:
+        evidence += (
+            f" (what the blocks free, measured one by one, adds up to "
+            f"{format_bytes(sum(c.free_bytes for c in blocks))}, more than the activations at the peak: "
+            "the saving is capped at them)"
+        )
     severity = "critical" if x.over_budget() else "info"
     conf = "high" if w.complete else "low"
     return [
@@ -115,6 +121,16 @@ def checkpointing(x: RuleInput) -> list[Finding]:
             "checkpointing", severity, "checkpoint activations", evidence, saving, _step_fraction(ms, w), conf
         )
     ]
+
+
+def checkpoint_saving(w: Workload, chosen: list[Candidate]) -> int:
+    """The peak bytes checkpointing ``chosen`` saves, as the planner's memory model counts it
+    (``memory_parts``): a module nested in another chosen one adds nothing, what is freed never exceeds
+    the activations at the peak, and the largest module's activations come back while it is recomputed.
+    So the finding's figure is the plan's, and never more than what it saves from."""
+    config = Config(checkpoint=tuple(c.name for c in chosen))
+    after = memory_parts(w, config, outermost(chosen), [])["activations"]
+    return max(0, w.activations - after)
 
 
 def _stack(x: RuleInput) -> list[Candidate]:
@@ -203,7 +219,8 @@ def allocator_fragmentation(x: RuleInput) -> list[Finding]:
     if retries == 0 and (gap < FRAGMENTATION_BYTES or gap < FRAGMENTATION_SHARE * reserved):
         return []
     evidence = (
-        f"peak reserved {format_bytes(reserved)} vs allocated {format_bytes(allocated)} "
+        f"measured at the peak step: reserved {format_bytes(reserved)} vs allocated "
+        f"{format_bytes(allocated)} "
         f"({format_bytes(gap)} unused in the cache), {retries} allocation "
         f"retr{'y' if retries == 1 else 'ies'}"
     )
@@ -227,7 +244,8 @@ def dataloader_starvation(x: RuleInput) -> list[Finding]:
 def dynamic_padding(x: RuleInput) -> list[Finding]:
     """Dynamic padding: many token positions are padding. Pad each batch to its own longest sequence
     (``DataCollatorWithPadding``), or bucket by length, with ``pad_to_multiple_of=8``/``16``; size the
-    budget for the largest batch the data can produce, not the average one."""
+    budget for the largest batch the data can produce, not the average one: the longest batch sets the
+    peak, so the saving is that batch's (the mean batch's shorter length saves time)."""
     pad, w = x.summary.get("padding_fraction"), x.workload
     if not isinstance(pad, (int, float)) or pad < PADDING_SHARE:
         return []
@@ -236,8 +254,22 @@ def dynamic_padding(x: RuleInput) -> list[Finding]:
     evidence = f"{pad:.0%} of the token positions are padding"
     if lengths.get("p90") is not None:
         evidence += f"; real lengths p50 {lengths['p50']:g}, p90 {lengths['p90']:g}, max {lengths['max']}"
+    if w is not None and w.padding is not None:
+        saving = padding_peak_saving(w)
+        evidence += (
+            f"; the longest batch ({w.padding.worst_longest} of {w.padding.padded} tokens) sets the peak: "
+            f"padded to its longest, it frees {format_bytes(saving) if saving else 'nothing'} there"
+        )
     cost = -float(pad) * (w.fwd_bwd_ms / w.step_ms) if w and w.fwd_bwd_ms and w.step_ms else None
     return [finding("dynamic_padding", "info", "pad dynamically", evidence, saving, cost, "medium")]
+
+
+def padding_peak_saving(w: Workload) -> int:
+    """The activations the longest measured batch sheds when padded to its own longest sequence (to a
+    multiple of ``PAD_MULTIPLE``): the planner's padding scale, so the finding and the plan agree."""
+    if w.padding is None:
+        return 0
+    return int(w.activations * (1.0 - w.padding.ratio("trim", PAD_MULTIPLE)))
 
 
 def optimizer_state(x: RuleInput) -> list[Finding]:

@@ -14,11 +14,13 @@ from typing import Any, NamedTuple
 from memdoctor.analysis.verified import chosen_round, learned, plan_note, rounds
 from memdoctor.cards import CONTEXT_RESERVE_BYTES, Card, find_card
 from memdoctor.errors import UsageError
+from memdoctor.plan.agreement import plan_notes
 from memdoctor.plan.alternatives import alternatives
 from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import ninegrid, priority
 from memdoctor.plan.planner import make_plan
 from memdoctor.plan.reprofiled import advice as reprofile_advice
+from memdoctor.plan.reprofiled import peak_words
 from memdoctor.plan.reprofiled import summary_record as reprofile_record
 from memdoctor.plan.rules import RuleInput, run_rules
 from memdoctor.plan.target import Target
@@ -69,7 +71,7 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         reason = (
             "no budget: this run had no --budget and no GPU (memdoctor plan TRACE --budget SIZE makes one)"
         )
-    plan = None
+    plan, made = None, None
     if w is not None and target is not None:
         choice = verified_choice(trace)
         pw = corrected_workload(w, choice.correction) if choice.correction > 1.0 else w
@@ -82,12 +84,14 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         if choice.round is not None:
             plan["advice"].insert(0, _verified_advice(choice))
         plan["verified_fits"] = choice.verified
+        plan["planned_peak"] = peak_words(trace, pw)  # the peak the plan is made from, with its kind
         plan["verify_note"] = plan_note(trace, plan)
         if choice.verified is False and plan["verify_note"]:
             plan["advice"].insert(0, plan["verify_note"])
         reprofiled = reprofile_record(trace)
         if reprofiled is not None:
             plan["advice"].insert(0, reprofile_advice(reprofiled))
+    plan_notes(findings, made, w)
     return {
         "ninegrid": grid,
         "lever_priority": ranked,

@@ -71,11 +71,22 @@ def _figure(width: float, height: float) -> Figure:
     return fig
 
 
-def layer_bars(bars: list[dict[str, Any]]) -> str | None:
-    """Horizontal stacked bars per top-level layer (first layer on top); ``None`` without bars."""
+def layer_bars(
+    bars: list[dict[str, Any]],
+    activations_live: bool = True,
+    unreached: str = "not reached",
+    died_in: str | None = None,
+) -> str | None:
+    """Horizontal stacked bars per top-level layer (first layer on top); ``None`` without bars.
+
+    A layer that never ran in the step (``ran`` False) is labelled ``unreached`` beside its bar: drawn
+    as a bare zero it would read as a cheap layer when the run died before measuring it. With
+    ``activations_live`` False (the peak came when no activations were held: the optimizer step) the
+    activations are hatched and labelled as freed before the peak, so the bars show what the peak held.
+    ``died_in``: the module the run died in; the layer holding it is marked so, partly measured."""
     if not bars:
         return None
-    scale, unit = byte_unit(max(b["total"] for b in bars))
+    scale, unit = byte_unit(max(max(b["total"] for b in bars), 1))
     with matplotlib.rc_context(_RC):
         fig = _figure(9.0, 1.3 + 0.28 * len(bars))
         ax = fig.axes[0]
@@ -83,14 +94,35 @@ def layer_bars(bars: list[dict[str, Any]]) -> str | None:
         left = [0.0] * len(bars)
         for cat in STACK:
             width = [b[cat] / scale for b in bars]
-            ax.barh(y, width, left=left, color=COLORS[cat], label=LABELS[cat], height=0.72)
+            style: dict[str, Any] = {"color": COLORS[cat], "label": LABELS[cat]}
+            if cat == "activations" and not activations_live:
+                style = {"color": "none", "edgecolor": COLORS[cat], "hatch": "////", "linewidth": 0.6}
+                style["label"] = "activations (saved in the forward, freed before the peak)"
+            ax.barh(y, width, left=left, height=0.72, **style)
             left = [a + w for a, w in zip(left, width, strict=True)]
+        for i, b in enumerate(bars):
+            name = str(b["name"]).removesuffix(" (own)")
+            held = died_in is not None and (died_in == name or died_in.startswith(name + "."))
+            note = "died in it (measured until then)" if held else None if b.get("ran", True) else unreached
+            if note:
+                ax.annotate(
+                    note,
+                    (left[i], i),
+                    xytext=(4, 0),
+                    textcoords="offset points",
+                    va="center",
+                    fontsize=8,
+                    color="#b00020" if held else "#6b6b70",
+                    fontstyle="italic",
+                )
         ax.set_yticks(y, [_short(b["name"]) for b in bars])
         ax.invert_yaxis()
         ax.set_xlabel(f"memory ({unit}) at the peak step")
         ax.grid(axis="x", color="#dddddd", linewidth=0.6)
         ax.set_axisbelow(True)
-        ax.legend(loc="lower right", frameon=False, ncols=4, bbox_to_anchor=(1.0, 1.0))
+        ax.legend(
+            loc="lower right", frameon=False, ncols=4 if activations_live else 2, bbox_to_anchor=(1.0, 1.0)
+        )
     return svg_data_uri(fig)
 
 

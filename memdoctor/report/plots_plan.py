@@ -13,7 +13,7 @@ import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 
-from memdoctor.report.plots import _RC, svg_data_uri
+from memdoctor.report.plots import _RC, COLORS, LABELS, _figure, byte_unit, svg_data_uri
 from memdoctor.units import format_bytes
 
 LEVELS = ("low", "medium", "high")
@@ -121,3 +121,65 @@ def _strip(ax: Axes, data: dict[str, Any]) -> None:
     ax.set_xlabel("data traits", fontsize=8.5)
     for side in ("left", "bottom", "right", "top"):
         ax.spines[side].set_visible(False)
+
+
+# How a bar of ``peak_parts`` is drawn by its kind: a measured figure solid, an extrapolated one hatched,
+# a predicted one pale and dotted, so the chart never shows a prediction as if it had been measured.
+KIND_STYLE: dict[str, dict[str, Any]] = {
+    "measured": {"alpha": 1.0},
+    "extrapolated": {"alpha": 0.8, "hatch": "///"},
+    "predicted": {"alpha": 0.45, "hatch": "..."},
+}
+
+
+def peak_parts(bars: list[dict[str, Any]], budget: int | None) -> str | None:
+    """Horizontal stacked bars, one per peak of ``memdoctor.report.peaks.peak_parts`` (allocated bytes by
+    category, first on top), each labelled with its kind, and the budget dashed. None without bars."""
+    if not bars:
+        return None
+    scale, unit = byte_unit(max([*(b["total"] for b in bars), budget or 0]))
+    with matplotlib.rc_context(_RC):
+        fig = _figure(9.0, 1.2 + 0.42 * len(bars))
+        ax = fig.axes[0]
+        y = list(range(len(bars)))
+        left = [0.0] * len(bars)
+        for cat in ("parameters", "gradients", "optimizer_state", "activations", "other"):
+            for i, b in enumerate(bars):
+                width = b["parts"][cat] / scale
+                style = KIND_STYLE.get(b["kind"], {})
+                label = LABELS[cat] if i == 0 else None
+                ax.barh(
+                    i,
+                    width,
+                    left=left[i],
+                    color=COLORS[cat],
+                    edgecolor="white",
+                    height=0.7,
+                    label=label,
+                    **style,
+                )
+                left[i] += width
+        for i, b in enumerate(bars):
+            note = f"{format_bytes(b['total'])} {b['kind']}" + (
+                " (total only)" if b["parts"]["other"] == b["total"] else ""
+            )
+            ax.annotate(
+                note, (left[i], i), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8
+            )
+        if budget:
+            ax.axvline(budget / scale, color="#b00020", linestyle="--", linewidth=1.0)
+            ax.annotate(
+                f"budget {format_bytes(budget)}",
+                (budget / scale, len(bars) - 0.5),
+                color="#b00020",
+                xytext=(3, 0),
+                textcoords="offset points",
+                fontsize=8,
+                va="bottom",
+            )
+        ax.set_yticks(y, [b["label"] for b in bars])
+        ax.invert_yaxis()
+        ax.set_xlim(0, max([*left, (budget or 0) / scale]) * 1.25)
+        ax.set_xlabel(f"allocated memory ({unit}) at each peak")
+        ax.legend(loc="lower right", frameon=False, ncols=5, bbox_to_anchor=(1.0, 1.0))
+    return svg_data_uri(fig)

@@ -29,6 +29,7 @@ from memdoctor.analysis.summary import shown_events
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.outputs import atomic_write
 from memdoctor.report import plots, plots_heatmap
+from memdoctor.report.peaks import footer_note, peak_rows
 from memdoctor.report.sections import report_sections
 from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, embedded_summary, summary_json
 from memdoctor.trace import CATEGORIES, PHASES, Trace
@@ -131,7 +132,8 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "limit_label": limit_label,
         "categories": category_rows(summary),
         "layers": layer_table(trace, step),
-        "layer_chart": plots.layer_bars(top_layers(trace, step)) if step else None,
+        "layer_chart": layer_chart(trace, summary),
+        "activations_live": activations_live(summary),
         "timeline_chart": plots.timeline(series, limit, limit_label) if series else None,
         "timeline_limit_off_scale": bool(series and limit and plots.limit_off_scale(series, limit)),
         "allocator_measured": step is not None and step.timeline.get("allocated") is not None,
@@ -151,7 +153,30 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "events": _event_rows(trace, summary),
         "colors": plots.COLORS,
         "memdoctor_version": __version__,
+        "footer_note": footer_note(peak_rows(trace, summary), summary.get("findings") or []),
     }
+
+
+# The peak holds "no activations" below this share of it (a few saved bytes can outlive the backward).
+LIVE_ACTIVATION_SHARE = 0.01
+
+
+def activations_live(summary: dict[str, Any]) -> bool:
+    """Whether the peak held the activations: not when it came in the optimizer step, after the backward
+    freed them (measured: the activations category at the peak is under 1% of it)."""
+    acts, peak = (summary.get("categories") or {}).get("activations"), summary.get("peak_memory_bytes")
+    return acts is None or not peak or acts >= LIVE_ACTIVATION_SHARE * peak
+
+
+def layer_chart(trace: Trace, summary: dict[str, Any]) -> str | None:
+    """The memory-by-layer bars of the peak step: layers the step never ran are marked, as not reached
+    when the run died in that step (else as not called: an unused module), never drawn as cheap."""
+    step = peak_step(trace)
+    if step is None:
+        return None
+    unreached = "not reached (the run died first)" if not step.complete else "not called in this step"
+    died_in = (summary.get("fault") or {}).get("module_name") if not step.complete else None
+    return plots.layer_bars(top_layers(trace, step), activations_live(summary), unreached, died_in)
 
 
 def script_command(trace: Trace) -> list[str]:

@@ -37,6 +37,8 @@ def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | No
     return {
         "yaml": dump_config(config),
         "fits": config.provenance.fits,
+        # True: a --verify round measured this config fitting; False: none fitted; None: not verified
+        "verified": (summary.get("plan") or {}).get("verified_fits"),
         "exports": [
             {"title": title, "text": json.dumps(kwargs, indent=2), "notes": notes}
             for title, kwargs, notes in exports

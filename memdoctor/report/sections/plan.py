@@ -15,6 +15,7 @@ from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import STATE_HIGH, STATE_LOW
 from memdoctor.plan.planner import card_table
 from memdoctor.report import plots_plan
+from memdoctor.report.peaks import peak_parts, peak_rows
 from memdoctor.trace import PARTIAL_SUFFIX, Trace
 from memdoctor.units import format_bytes
 
@@ -34,6 +35,10 @@ def report_section(trace: Trace, summary: dict[str, Any]) -> dict[str, Any] | No
         "measured_for": measured_for(summary),
         "lever_priority": summary.get("lever_priority"),
         "notes": list(w.notes),
+        "peaks": peak_rows(trace, summary),
+        "peaks_chart": plots_plan.peak_parts(
+            peak_parts(trace, summary), (summary.get("plan") or {}).get("budget_bytes")
+        ),
         "context_reserve_bytes": CONTEXT_RESERVE_BYTES,
         "reason": None if summary.get("plan") else "no budget: this run had no --budget and no GPU",
     }
