@@ -133,3 +133,15 @@ def test_the_glossary_explains_the_terms(oom_html: str) -> None:
         assert term in glossary, term
     for key in re.findall(r'href="#g-([a-z_]+)"', html):
         assert f'id="g-{key}"' in glossary
+
+
+@pytest.mark.parametrize("kind", ["oom", "cpu"])
+def test_no_table_is_left_empty(kind: str, oom_html: str) -> None:
+    """A table with no rows is omitted (or replaced by one line saying none), not drawn as a header."""
+    html = oom_html if kind == "oom" else render_report(completed_trace(kind="cpu", budget_bytes=None))
+    empty = [
+        attrs
+        for attrs, body in re.findall(r"<table([^>]*)>(.*?)</table>", html, re.S)
+        if len(re.findall(r"<tr", body)) <= 1
+    ]
+    assert empty == []

@@ -57,3 +57,12 @@ TERMS: dict[str, tuple[str, str]] = {
 def glossary_rows() -> list[dict[str, str]]:
     """``[{key, term, text}]`` in the order the report lists them."""
     return [{"key": k, "term": term, "text": text} for k, (term, text) in TERMS.items()]
+
+
+# the glossary line a plan's lever uses: a lever's text (memdoctor.plan.config) containing the key
+LEVER_TERMS: dict[str, str] = {
+    "checkpoint": "checkpointing",
+    "expandable_segments": "expandable_segments",
+    "autocast": "autocast",
+    "gradient accumulation": "accumulation",
+}

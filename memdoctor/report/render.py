@@ -31,7 +31,7 @@ from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.errors import OutputError
 from memdoctor.report import plots, plots_heatmap
 from memdoctor.report.firstscreen import apply_command, first_screen
-from memdoctor.report.glossary import TERMS, glossary_rows
+from memdoctor.report.glossary import LEVER_TERMS, TERMS, glossary_rows
 from memdoctor.report.sections import report_sections
 from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, embedded_summary, summary_json
 from memdoctor.trace import CATEGORIES, PHASES, Trace
@@ -184,6 +184,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "layer_top": own_top(rows),
         "glossary": glossary_rows(),
         "glossary_terms": TERMS,
+        "lever_terms": LEVER_TERMS,
         "steps": [summary["steps"][i] for i in shown_events(len(summary["steps"]), STEP_ROWS)],
         "steps_left_out": max(0, len(summary["steps"]) - STEP_ROWS),
         "grad_norm_rows": (summary.get("grad_norm") or [])[:GRAD_NORM_ROWS],
