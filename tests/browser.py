@@ -159,8 +159,14 @@ def layout(chromium: str, page: Path, work: Path, size: str = "1400,900") -> Lay
     html = page.read_text(encoding="utf-8")
     copy = work / f"measure-{page.stem}.html"
     copy.write_text(_CSP_META.sub("", html, count=1).replace("</body>", _LAYOUT_SCRIPT), encoding="utf-8")
-    done = _run(chromium, copy, work / "profile-layout", "--dump-dom", f"--window-size={size}",
-                "--virtual-time-budget=5000")
+    done = _run(
+        chromium,
+        copy,
+        work / "profile-layout",
+        "--dump-dom",
+        f"--window-size={size}",
+        "--virtual-time-budget=5000",
+    )
     found = _LAYOUT_OUT.search(done.stdout)
     if done.returncode != 0 or found is None:
         raise RuntimeError(f"chromium laid out nothing ({done.returncode}): {done.stderr[-2000:]}")

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from tracebuilder import GiB, completed_trace, oom_trace
 
-from memdoctor.report import build_summary
-from memdoctor.report import render_report
+from memdoctor.report import build_summary, render_report
 from memdoctor.report.firstscreen import command, eaters, verdict
 from memdoctor.report.render import layer_table, own_top, whole_words
 from memdoctor.units import MESSAGE_CHARS, clip
@@ -34,7 +33,11 @@ def _plan(**fields: Any) -> dict[str, Any]:
     ],
 )
 def test_the_verdict_is_green_only_when_it_fits(
-    plan: dict[str, Any] | None, fault: dict[str, Any] | None, tone: str, as_is: str | None, with_plan: str | None
+    plan: dict[str, Any] | None,
+    fault: dict[str, Any] | None,
+    tone: str,
+    as_is: str | None,
+    with_plan: str | None,
 ) -> None:
     v = verdict(completed_trace(), {"plan": plan, "fault": fault})
     assert (v["tone"], v["as_is"], v["plan"], v["measured"]) == (tone, as_is, with_plan, None)
@@ -56,7 +59,9 @@ def test_the_modules_top_table_counts_each_byte_once() -> None:
     rows = layer_table(trace, trace.steps[-1])
     top = own_top(rows, limit=len(rows))
     every = sum(
-        (r["param_bytes"] or 0) + (r["grad_bytes"] or 0) + (r["optimizer_state_bytes"] or 0)
+        (r["param_bytes"] or 0)
+        + (r["grad_bytes"] or 0)
+        + (r["optimizer_state_bytes"] or 0)
         + (r["activation_self_bytes"] or 0)
         for r in rows
     )
@@ -83,8 +88,10 @@ def test_no_plan_no_command_and_fits_as_is_runs_the_script() -> None:
     trace = completed_trace()
     assert command(trace, {"plan": None}, "memdoctor.yaml")["text"] is None
     fits = command(trace, {"plan": _plan(fits_as_is=True), "fault": None}, "memdoctor.yaml")
-    assert fits == {"text": "cd /home/user/project && python /home/user/project/train.py train.py --epochs 1",
-                    "applies": False}
+    assert fits == {
+        "text": "cd /home/user/project && python /home/user/project/train.py train.py --epochs 1",
+        "applies": False,
+    }
 
 
 def test_a_message_cut_at_the_limit_ends_at_a_sentence_not_mid_word() -> None:

@@ -96,15 +96,27 @@ SAME_SHARE = 0.01
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["type"] == b["type"] and a["own"] == b["own"] and abs(a["total"] - b["total"]) <= SAME_SHARE * a["total"]
+    return (
+        a["type"] == b["type"]
+        and a["own"] == b["own"]
+        and abs(a["total"] - b["total"]) <= SAME_SHARE * a["total"]
+    )
+
+
+def _after_common(first: str, last: str) -> str:
+    """``last`` without the dotted components it shares with ``first`` (``encoder.layer.8`` -> ``8``)."""
+    a, b = first.split("."), last.split(".")
+    shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return ".".join(b[shared:]) or last
 
 
 def _eater(group: list[dict[str, Any]]) -> dict[str, Any]:
-    cats = {k: sum(b[k] for b in group) for k in ("parameters", "gradients", "optimizer_state", "activations")}
+    cats = {
+        k: sum(b[k] for b in group) for k in ("parameters", "gradients", "optimizer_state", "activations")
+    }
     main = max(cats, key=lambda k: cats[k])
     first, last = group[0]["name"], group[-1]["name"]
-    prefix = os.path.commonprefix([first, last]).rpartition(".")[0]
-    name = first if len(group) == 1 else f"{first} … {last[len(prefix) + 1 if prefix else 0 :]}"
+    name = first if len(group) == 1 else f"{first} … {_after_common(first, last)}"
     total = sum(b["total"] for b in group)
     return {"name": name, "count": len(group), "each": group[0]["total"], "bytes": total, "main": main}
 

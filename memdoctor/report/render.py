@@ -239,10 +239,7 @@ def own_top(rows: list[dict[str, Any]], limit: int = LAYER_TOP) -> list[dict[str
     """The ``limit`` modules holding the most bytes themselves (own parameters, gradients, optimizer
     state and the activations of their own operations), largest first: exclusive figures, so no byte is
     counted twice (a parent's inclusive total would repeat its children's)."""
-    own = [
-        {**r, "own_bytes": sum(r[k] or 0 for k in _OWN_KEYS)}
-        for r in rows
-    ]
+    own = [{**r, "own_bytes": sum(r[k] or 0 for k in _OWN_KEYS)} for r in rows]
     return sorted((r for r in own if r["own_bytes"] > 0), key=lambda r: -r["own_bytes"])[:limit]
 
 
