@@ -80,3 +80,18 @@ def first_names(texts: Sequence[str], limit: int, sep: str = ", ") -> str:
     """The first ``limit`` of ``texts`` joined by ``sep``, then " and N more" for the rest."""
     more = f" and {len(texts) - limit} more" if len(texts) > limit else ""
     return sep.join(texts[:limit]) + more
+
+
+# How much of an exception's message an event keeps, and of a collector's failure note: the trace's
+# events are bounded so that a pathological message cannot bloat it.
+MESSAGE_CHARS = 500
+NOTE_CHARS = 400
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, ending in "…" where it was cut
+    (a cut mid-word reads as a typo, and "Memory Ma" loses the word the reader would search for)."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 1)
+    return text[: cut if cut > limit // 2 else limit - 1].rstrip() + "…"

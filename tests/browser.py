@@ -117,3 +117,60 @@ def dom_facts(html: str) -> DomFacts:
     parser = _Facts()
     parser.feed(html)
     return parser.facts
+
+
+# A measuring copy of a page: the page's own Content-Security-Policy forbids inline script, so the copy
+# drops that one <meta> and appends a script that writes the layout into the DOM for --dump-dom to read.
+_CSP_META = re.compile(r'<meta http-equiv="Content-Security-Policy"[^>]*>')
+_LAYOUT_OUT = re.compile(r'<pre id="memdoctor-layout">(.*?)</pre>', re.S)
+_LAYOUT_SCRIPT = """<script>
+window.addEventListener("load", () => {
+  const box = (el) => { const r = el.getBoundingClientRect();
+    return {top: r.top + scrollY, bottom: r.bottom + scrollY, text: el.innerText}; };
+  const ids = {};
+  for (const el of document.querySelectorAll("[id]")) { ids[el.id] = box(el); }
+  const out = document.createElement("pre");
+  out.id = "memdoctor-layout";
+  out.textContent = JSON.stringify({height: document.documentElement.scrollHeight,
+    viewport: innerHeight, ids: ids});
+  document.body.appendChild(out);
+});
+</script></body>"""
+
+
+@dataclass
+class Layout:
+    """Where the page's elements sit, in CSS pixels from the top of the page, at one window size."""
+
+    height: int  # the whole page's height (before the measuring element was added)
+    viewport: int  # the window's inner height: what the first screen shows
+    ids: dict[str, dict[str, object]]  # id -> {top, bottom, text (innerText)}
+
+    def on_first_screen(self, element_id: str) -> bool:
+        """The element starts within the first screen (its top above the window's bottom edge)."""
+        box = self.ids.get(element_id)
+        return box is not None and float(box["top"]) < self.viewport  # type: ignore[arg-type]
+
+
+def layout(chromium: str, page: Path, work: Path, size: str = "1400,900") -> Layout:
+    """Lay ``page`` out at ``size`` (width,height) and return every ``id``'s box and the page height."""
+    import json
+
+    html = page.read_text(encoding="utf-8")
+    copy = work / f"measure-{page.stem}.html"
+    copy.write_text(_CSP_META.sub("", html, count=1).replace("</body>", _LAYOUT_SCRIPT), encoding="utf-8")
+    done = _run(
+        chromium,
+        copy,
+        work / "profile-layout",
+        "--dump-dom",
+        f"--window-size={size}",
+        "--virtual-time-budget=5000",
+    )
+    found = _LAYOUT_OUT.search(done.stdout)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"chromium laid out nothing ({done.returncode}): {done.stderr[-2000:]}")
+    from html import unescape
+
+    data = json.loads(unescape(found.group(1)))
+    return Layout(int(data["height"]), int(data["viewport"]), data["ids"])

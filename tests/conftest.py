@@ -79,6 +79,7 @@ FAST_FILES = frozenset(
         "test_report.py",
         "test_report_numbers.py",
         "test_report_visuals.py",
+        "test_report_firstscreen.py",
         "test_reprofile.py",
         "test_reprofile_checkpoint.py",
         "test_reprofile_state.py",

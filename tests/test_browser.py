@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from browser import dom_facts, find_chromium, load, screenshot
+from browser import dom_facts, find_chromium, layout, load, screenshot
 
 from memdoctor.report import write_report
 from memdoctor.trace import load_trace
@@ -119,3 +119,36 @@ def test_diff_page_in_chromium(tmp_path: Path) -> None:
     assert facts.h2_ids == ["overview", "categories", "layers"]
     assert "bert.encoder.layer.0" in page.dom and facts.external == []
     assert page.problems == [], page.problems
+
+
+# The samples the issue-16 review read as an 8 GB-card user: BERT and GPT-2 re-profiled (a plan measured
+# by --verify), the 1B decoder (a plan only predicted) and BERT b8 (fits as it is).
+FIRST_SCREEN_SAMPLES = {
+    "bert-base-b32-s512-8gib-reprofiled": "✔ verified: measured",
+    "gpt2-small-trainer-b16-s512-8gib-reprofiled": "✔ verified: measured",
+    "llama-1b-b4-s1024-8gib-oom": "Predicted only, not measured",
+    "bert-base-b8-s128-8gib": "Nothing to change: it fits as it is",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_SCREEN_SAMPLES))
+def test_the_first_screen_answers_fits_what_ate_it_and_what_to_type(name: str, tmp_path: Path) -> None:
+    """In a 1400x900 window, without scrolling: the verdict, the biggest layers by bytes, and one command
+    with absolute paths that says whether the plan was measured or only predicted."""
+    assert CHROMIUM is not None
+    (tmp_path / "out").mkdir()
+    report = write_report(load_trace(DATA / f"gpu-{name}.jsonl.gz"), tmp_path / "out")["report"]
+    page = layout(CHROMIUM, report, tmp_path, size="1400,900")
+    for answer in ("verdict", "what-ate-it", "what-to-type", "apply-command"):
+        box = page.ids[answer]
+        assert float(box["bottom"]) <= page.viewport, (answer, box["bottom"], page.viewport)  # type: ignore[arg-type]
+    verdict = str(page.ids["verdict"]["text"])
+    assert "Does it fit the 8.00 GiB budget?" in verdict and ("✔" in verdict or "✘" in verdict)
+    eaters = str(page.ids["top-eaters"]["text"]).splitlines()
+    assert len(eaters) >= 3 and re.search(r"\d (GiB|MiB)", eaters[1]), eaters  # named layers, by bytes
+    command = str(page.ids["apply-command"]["text"])
+    assert command.startswith("cd /") and " && " in command
+    if "memdoctor run" in command:
+        assert re.search(r"memdoctor run --config /\S+/memdoctor\.yaml /\S+\.py -- ", command), command
+    assert FIRST_SCREEN_SAMPLES[name] in str(page.ids["what-to-type"]["text"])
+    assert page.height < 12_000  # was 14,900-18,600 px before the long sections were folded

@@ -257,14 +257,24 @@ def test_readme_links_every_sample_report() -> None:
 
 
 def test_the_top_of_the_page_names_the_plan_and_the_command_that_applies_it(tmp_path: Path) -> None:
-    """Under the verdict, the recommended config and the one command that applies it."""
+    """Under the verdict, the one command that applies the plan: a cd into the folder the profile ran
+    in, then the config's and the script's absolute paths, so it works pasted into any shell."""
+    import shlex
+
     from memdoctor.report import write_report
     from memdoctor.trace import load_trace
 
     trace = load_trace(Path(__file__).parent / "data" / "gpu-bert-base-b32-s512-8gib-oom.jsonl.gz")
-    html = (write_report(trace, tmp_path)["report"]).read_text()
-    top = html[html.index('id="plan-line"') : html.index("</div>", html.index('id="plan-line"'))]
-    assert "Recommended plan for 8.00 GiB" in top and "reserved" in top
-    command = top[top.index('id="apply-command">') + len('id="apply-command">') : top.index("</pre>")]
-    assert command.startswith(f"memdoctor run --config {tmp_path / 'memdoctor.yaml'} ")
-    assert command.endswith("benchmarks/workloads/bert_story.py -- --steps 20 --attn eager")
+    (tmp_path / "out").mkdir()
+    html = (write_report(trace, tmp_path / "out")["report"]).read_text()
+    top = html[html.index('id="verdict"') : html.index('id="toc"')]
+    assert "With the plan: predicted to fit" in top and "7.08 GiB" in top
+    start = top.index('id="apply-command">') + len('id="apply-command">')
+    command = top[start : top.index("</pre>", start)]
+    cd, _, run = command.partition(" &amp;&amp; ")
+    assert shlex.split(cd) == ["cd", trace.header["command"]["cwd"]]
+    words = shlex.split(run)
+    assert words[:4] == ["memdoctor", "run", "--config", str(tmp_path / "out" / "memdoctor.yaml")]
+    assert words[4] == "/work/main/benchmarks/workloads/bert_story.py"  # the profile's folder + script
+    assert words[5:] == ["--", "--steps", "20", "--attn", "eager"]
+    assert 'id="plan-status"' in top and "Predicted only, not measured" in top

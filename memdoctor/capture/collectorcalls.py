@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from memdoctor.capture.collectors import Collector
+from memdoctor.units import NOTE_CHARS, clip
 
 
 class CollectorCalls:
@@ -47,7 +48,7 @@ class CollectorCalls:
         with contextlib.suppress(Exception):
             c.stop()
         msg = f"the {c.name} collector failed and was switched off: {type(exc).__name__}: {exc}"
-        self.sink({"type": "event", "kind": "collector_failed", "message": msg[:400]})
+        self.sink({"type": "event", "kind": "collector_failed", "message": clip(msg, NOTE_CHARS)})
 
     def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` for a measurement the session makes itself inside a script's call (gradient
@@ -60,7 +61,7 @@ class CollectorCalls:
         except Exception as exc:
             self.off.add(what)
             msg = f"{what}: memdoctor's measurement failed and was switched off: {type(exc).__name__}: {exc}"
-            self.sink({"type": "event", "kind": "collector_failed", "message": msg[:400]})
+            self.sink({"type": "event", "kind": "collector_failed", "message": clip(msg, NOTE_CHARS)})
             return None
 
     # ------------------------------------------------------------------------------ module calls (hot)

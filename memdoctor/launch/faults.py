@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from memdoctor.launch.script import user_frames
+from memdoctor.units import MESSAGE_CHARS, clip
 
 
 def close_session(session: Any) -> dict[str, Any]:
@@ -34,10 +35,11 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def one_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, at most 500 characters: an event's message."""
+    """``Type: first line of the message``, at most ``MESSAGE_CHARS`` characters (cut at a word): an
+    event's message."""
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}"[:500]
+    return clip(f"{type(exc).__name__}: {first}", MESSAGE_CHARS)
 
 
 def exception_fields(exc: BaseException) -> dict[str, Any]:

@@ -29,11 +29,13 @@ from memdoctor.analysis.summary import shown_events
 from memdoctor.config import CONFIG_FILENAME, config_for_summary, dump_config
 from memdoctor.outputs import atomic_write
 from memdoctor.report import plots, plots_heatmap
+from memdoctor.report.firstscreen import apply_command, first_screen
+from memdoctor.report.glossary import LEVER_TERMS, TERMS, glossary_rows
 from memdoctor.report.peaks import footer_note, peak_rows
 from memdoctor.report.sections import report_sections
 from memdoctor.report.summary import SUMMARY_FILENAME, build_summary, embedded_summary, summary_json
 from memdoctor.trace import CATEGORIES, PHASES, Trace
-from memdoctor.units import format_bytes
+from memdoctor.units import MESSAGE_CHARS, NOTE_CHARS, format_bytes
 from memdoctor.version import __version__
 
 REPORT_FILENAME = "report.html"
@@ -57,8 +59,26 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(bytes=format_bytes, pct=format_pct, ms=format_ms, collector_note=collector_note)
+    env.filters.update(
+        bytes=format_bytes, pct=format_pct, ms=format_ms, collector_note=collector_note, whole=whole_words
+    )
     return env
+
+
+# Lengths at which memdoctor before 2026-12-04 cut an exception's message or a collector's failure note
+# (``units.clip`` now cuts at a word and says so): text exactly this long was cut, most likely mid-word.
+CUT_LENGTHS = frozenset({MESSAGE_CHARS, NOTE_CHARS})
+
+
+def whole_words(text: str | None) -> str:
+    """A message an older trace cut at its length limit, shown up to its last whole sentence (else word)
+    with an ellipsis, instead of ending mid-word; any other text as it is."""
+    text = "" if text is None else str(text)
+    if len(text) not in CUT_LENGTHS:
+        return text
+    sentence = text.rfind(". ")
+    cut = sentence + 1 if sentence > len(text) // 2 else text.rfind(" ")
+    return (text[:cut] if cut > 0 else text).rstrip() + " …"
 
 
 def format_pct(value: float | None, digits: int = 0) -> str:
@@ -91,6 +111,7 @@ def render_report(
     summary = summary if summary is not None else build_summary(trace)
     context = report_context(trace, summary)
     context["run"]["apply_command"] = apply_command(trace, config_path)
+    context["first"] = first_screen(trace, summary, config_path)
     return environment().get_template(TEMPLATE).render(**context)
 
 
@@ -99,7 +120,7 @@ def write_report(trace: Trace, out_dir: Path, summary: dict[str, Any] | None = N
     (each atomically); return their paths. ``summary``: the trace's, when the caller has built it."""
     out_dir = Path(out_dir)
     summary = summary if summary is not None else build_summary(trace)
-    html = render_report(trace, summary, _relative(str((out_dir / CONFIG_FILENAME).absolute()), os.getcwd()))
+    html = render_report(trace, summary, str((out_dir / CONFIG_FILENAME).absolute()))
     paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
     atomic_write(paths["summary"], summary_json(summary))
     atomic_write(paths["report"], html)
@@ -115,6 +136,7 @@ def write_report(trace: Trace, out_dir: Path, summary: dict[str, Any] | None = N
 
 # Rows of the step table and steps of the gradient-norm line a report shows (summary.json has them all).
 STEP_ROWS = 1000
+LAYER_TOP = 15  # rows of the modules table shown unfolded
 GRAD_NORM_ROWS = 100
 
 
@@ -124,6 +146,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
     limit, limit_label = memory_limit(summary)
     series = plots.thin_series(timeline_series(step)) if step is not None else None
     heatmap = layer_time.heatmap(trace, step)
+    rows = layer_table(trace, step)
     return {
         "summary": summary,
         "summary_json": embed_json(embedded_summary(summary, STEP_ROWS)),
@@ -131,7 +154,7 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "limit": limit,
         "limit_label": limit_label,
         "categories": category_rows(summary),
-        "layers": layer_table(trace, step),
+        "layers": rows,
         "layer_chart": layer_chart(trace, summary),
         "activations_live": activations_live(summary),
         "timeline_chart": plots.timeline(series, limit, limit_label) if series else None,
@@ -143,7 +166,11 @@ def report_context(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
         "heatmap_chart": plots_heatmap.layer_heatmap(heatmap),
         "heatmap_missing": layer_time.why_not(trace, step) if heatmap is None else None,
         "grad_chart": plots.grad_norms(grad_norm_chart(trace)),
-        "sections": report_sections(trace, summary),
+        "sections": {sec["name"]: sec for sec in report_sections(trace, summary)},
+        "layer_top": own_top(rows),
+        "glossary": glossary_rows(),
+        "glossary_terms": TERMS,
+        "lever_terms": LEVER_TERMS,
         "steps": [summary["steps"][i] for i in shown_events(len(summary["steps"]), STEP_ROWS)],
         "steps_left_out": max(0, len(summary["steps"]) - STEP_ROWS),
         "grad_norm_rows": (summary.get("grad_norm") or [])[:GRAD_NORM_ROWS],
@@ -201,15 +228,6 @@ def _relative(path: str, folder: str) -> str:
     return os.path.relpath(path, folder) if inside else path
 
 
-def apply_command(trace: Trace, config_path: str) -> str:
-    """``memdoctor run --config PATH SCRIPT -- ARGS``: the plan applied to the unmodified script."""
-    cmd = script_command(trace)
-    if not cmd:
-        return f"memdoctor run --config {shlex.quote(config_path)} SCRIPT -- ARGS"
-    n = 2 if cmd[0] == "-m" else 1
-    return shlex.join(["memdoctor", "run", "--config", config_path, *cmd[:n], "--", *cmd[n:]])
-
-
 def run_info(trace: Trace) -> dict[str, Any]:
     command = trace.header.get("command") or {}
     created = trace.header.get("created_unix")
@@ -224,6 +242,17 @@ def run_info(trace: Trace) -> dict[str, Any]:
         "end": {"status": "unknown", "message": "", **(trace.end or {})},  # in-process runs have no end
         "truncated": trace.truncated,
     }
+
+
+def own_top(rows: list[dict[str, Any]], limit: int = LAYER_TOP) -> list[dict[str, Any]]:
+    """The ``limit`` modules holding the most bytes themselves (own parameters, gradients, optimizer
+    state and the activations of their own operations), largest first: exclusive figures, so no byte is
+    counted twice (a parent's inclusive total would repeat its children's)."""
+    own = [{**r, "own_bytes": sum(r[k] or 0 for k in _OWN_KEYS)} for r in rows]
+    return sorted((r for r in own if r["own_bytes"] > 0), key=lambda r: -r["own_bytes"])[:limit]
+
+
+_OWN_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_self_bytes")
 
 
 def category_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
