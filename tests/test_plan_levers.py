@@ -404,7 +404,10 @@ def test_the_planner_beats_the_story_order_on_recorded_traces(
         )
         assert cost(plan.chosen)[0] <= cost(story)[0] + 1e-6, (target.budget_bytes, plan.chosen.config)
         compared += 1
-    assert compared >= 4  # not vacuous: the 1B decoder's state alone needs ~16 GiB, the others fit 3-8
+    # not vacuous: the 0.95B decoder's state alone needs ~16 GiB, the others fit 3-8; the 1.1B decoder's
+    # 16.4 GiB leaves it only the largest targets
+    state = w.parameters + w.gradients + w.optimizer_state
+    assert compared >= (4 if state < 16 * GiB else 1)
 
 
 def test_the_planner_is_strictly_faster_than_the_story_where_it_matters(
