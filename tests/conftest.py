@@ -13,6 +13,7 @@ marked ``slow``). A fast test that starts a child process fails, so the subset s
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -24,6 +25,14 @@ from typing import Any
 import pytest
 
 from memdoctor import patching
+
+# One CPU thread per torch process, set before torch is first imported: this process, every xdist worker
+# (started with this environment) and every child a test starts (they inherit it). The suite runs on 2
+# cores with 2 workers, each starting training scripts in children; torch's default of a thread per core
+# in each of them oversubscribes the cores, and OpenMP's idle threads spin: a corpus script's profiled
+# child took 10.6 s of CPU with 2 threads, 4.5 s with 1, on this machine under load. Tiny models gain
+# nothing from a second thread. A value set outside the suite is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # (module, attribute) of torch's global hook registries; a name the installed torch lacks is skipped.
 _HOOK_REGISTRIES = (

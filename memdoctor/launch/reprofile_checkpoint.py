@@ -22,7 +22,7 @@ from memdoctor import exitcodes
 from memdoctor.config import PlanConfig
 from memdoctor.config.file import Provenance
 from memdoctor.launch.supervisor import ProfileRequest, ProfileResult, Runner, Say
-from memdoctor.levers.install import SEEN_THROUGH
+from memdoctor.levers import SEEN_THROUGH  # not levers.install: that imports torch
 from memdoctor.outputs import round_folder
 from memdoctor.plan.checkpointed import blocks_to_checkpoint, checkpointed_workload
 from memdoctor.plan.reprofiled import as_record, unmeasured_modules

@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# Said (and recorded as a ``config_applied`` event) when checkpointed modules' saves are seen through
+# (``levers.install``); here, so that the launch layer reads it without importing torch.
+SEEN_THROUGH = "their saved tensors are measured in forward as if not checkpointed"
+
 
 @dataclass
 class FrameworkPatch:
@@ -25,4 +29,4 @@ class FrameworkPatch:
     undo: Callable[[], None] = lambda: None
 
 
-__all__ = ["FrameworkPatch"]
+__all__ = ["SEEN_THROUGH", "FrameworkPatch"]

@@ -22,7 +22,7 @@ from torch import nn
 from memdoctor.config import PlanConfig, check_modules
 from memdoctor.config.file import config_from_mapping
 from memdoctor.errors import ConfigError
-from memdoctor.levers import FrameworkPatch
+from memdoctor.levers import SEEN_THROUGH, FrameworkPatch
 from memdoctor.levers.apply import SeeSaved, _allocator, can_see_through, checkpoint_module, no_kv_cache
 from memdoctor.levers.autocast import LossScaling, autocast_forward
 from memdoctor.levers.backward import BackwardPatch
@@ -42,8 +42,6 @@ from memdoctor.units import first_names
 
 Say = Callable[[str], None]
 _SHOWN_NAMES = 6
-# Said (and recorded as a ``config_applied`` event) when checkpointed modules' saves are seen through.
-SEEN_THROUGH = "their saved tensors are measured in forward as if not checkpointed"
 
 
 def say_stderr(line: str) -> None:
