@@ -4,7 +4,6 @@ and one real end-to-end run on CPU with an emulated out-of-memory error."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,6 @@ from memdoctor.plan.reprofiled import (
     as_record,
     from_record,
     full_batch,
-    module_scale,
-    reprofile_workload,
     reprofiled_workload,
     unmeasured_modules,
 )
@@ -464,30 +461,6 @@ def test_the_planner_proposes_micro_batching_only_where_a_split_applies() -> Non
     assert w is not None and w.split.kind == "loader" and accumulations(w) == [1, 2, 4, 8]
 
 
-def test_a_forward_split_reprofile_is_not_scaled_twice(gpt2_b8: tuple[Trace, dict[str, Any]]) -> None:
-    """A split inside the forward runs the k micro-batches in one call of the model, so each module's
-    figures already sum its k calls: its candidates are not multiplied by k again (a BERT block came
-    out at twice the full batch's that way). A re-profile whose micro-batches each start a top-level
-    forward keeps the x k."""
-    trace, summary = gpt2_b8
-    w = measured_workload(trace, summary)
-    assert w is not None and w.candidates
-    assert module_scale(trace, w, 2) == 2  # one call per module in one micro-batch: scaled x2
-    split = copy.deepcopy(trace)
-    step = peak_step(split)
-    assert step is not None and step.micro_batches == 1
-    for cols in step.modules.values():
-        cols["calls"] = [2 * n for n in cols["calls"]]
-    assert module_scale(split, w, 2) == 1
-    assert module_scale(split, w, 4) == 4  # two calls are not four micro-batches
-    sw = reprofile_workload(split, summary, 2, 16, None)
-    assert sw is not None
-    by_key = {c.key: c.free_bytes for c in w.candidates}
-    assert all(c.free_bytes == by_key[c.key] for c in sw.candidates)
-    assert sw.activations == 2 * w.activations  # what the ledger holds at the peak still scales
-    assert "already sums them" in sw.notes[-1]
-
-
 SPLIT_LOOP = """
 import torch
 from torch import nn
@@ -529,8 +502,10 @@ for _ in range(3):
 def test_a_forward_split_measures_each_module_over_all_its_micro_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What ``module_scale`` rests on, measured: profiled with the batch split in two inside the
-    forward, each block reports the whole batch's checkpoint_free_bytes (2 calls, 1 micro-batch)."""
+    """Profiled with the batch split in two inside the forward, each block reports the whole batch's
+    checkpoint_free_bytes (2 calls, 1 micro-batch) on this CPU loop. The re-profile still takes them x k
+    (``full_batch``): on the H200 the BERT story's plan was predicted within +2.2% that way and over-
+    predicted by 10% taken as measured (BENCHMARKS.md): a contradiction left open."""
     monkeypatch.chdir(tmp_path)
     Path("loop.py").write_text(SPLIT_LOOP)
     Path("mb.yaml").write_text("memdoctor_config: 1\naccumulation_steps: 2\naccumulation_split: forward\n")
@@ -546,6 +521,3 @@ def test_a_forward_split_measures_each_module_over_all_its_micro_batches(
     full, split = rows["full"]["blocks.0"], rows["split"]["blocks.0"]
     assert (full["calls"], split["calls"]) == (1, 2)
     assert split["checkpoint_free_bytes"] == full["checkpoint_free_bytes"] > 0
-    trace = load_trace(Path("split") / "trace.jsonl.gz")
-    w = measured_workload(trace, build_summary(trace))
-    assert w is not None and module_scale(trace, w, 2) == 1
