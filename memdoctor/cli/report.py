@@ -49,11 +49,14 @@ def report_command(ns: argparse.Namespace) -> int:
         trace = load_trace(path, salvage=ns.salvage)
         if trace.end is None:  # --salvage of a run that never finished: say so in the report
             trace.end = unfinished_end(len(trace.steps))
-        out = report_output_dir(path, ns.output, force=ns.force)
-        if out.note:
-            say(out.note)
-        summary = build_summary(trace)  # once: for the files and for the terminal
-        saved = write_report_files(Saved(kept=path), trace, out.path, summary)
+        out = report_output_dir(path, ns.output, force=ns.force)  # claimed, as a profile claims its own
+        try:
+            if out.note:
+                say(out.note)
+            summary = build_summary(trace)  # once: for the files and for the terminal
+            saved = write_report_files(Saved(kept=path), trace, out.path, summary)
+        finally:
+            out.release()
     if saved.failed:  # one line: what could not be written and why, what was, and that the trace is intact
         steps = sum(1 for s in trace.steps if s.complete)
         raise OutputError(f"{out.path}: {failure_line(saved, steps)}")
