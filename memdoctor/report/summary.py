@@ -20,8 +20,9 @@ SUMMARY_FILENAME = "summary.json"
 def build_summary(trace: Trace) -> dict[str, Any]:
     """The content of ``summary.json``: the analysis figures, the plan (``ninegrid``, ``findings``,
     ``plan``, ...) and the one-sentence ``headline``."""
-    summary = summary_figures(trace)
-    plan_summary.summarize(trace, summary)
+    with trace.frozen():  # what every section asks of all steps (the peak step ...) is found once
+        summary = summary_figures(trace)
+        plan_summary.summarize(trace, summary)
     summary["headline"] = headline(summary)
     return summary
 
