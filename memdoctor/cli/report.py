@@ -69,6 +69,9 @@ def report_command(ns: argparse.Namespace) -> int:
         with trace.frozen():
             print_summary(summary, trace, status=status, message=message)
         print_written(list(saved.paths.values()))
+        # Freed here, by reference counting, while the collector still sleeps: once it resumes, its first
+        # pass would walk every object allocated meanwhile that is still alive (a second or more).
+        del trace, summary
     return exitcodes.OK
 
 
