@@ -2,7 +2,8 @@
 
 Builds each "bomb" of the issue in a scratch folder, runs `python -m memdoctor report FILE -o DIR` on it
 as a child process, and prints one table row per case: what memdoctor answered (exit code and the first
-line of stderr), the wall time and the child's peak resident memory (``os.wait4``'s ``ru_maxrss``).
+line of stderr), the wall time, the child's CPU time and its peak resident memory (``os.wait4``'s
+``ru_utime + ru_stime`` and ``ru_maxrss``).
 
     python benchmarks/trace_bombs.py                    # every case, the sizes of BENCHMARKS.md
     python benchmarks/trace_bombs.py --only steps --steps 20000
@@ -173,6 +174,8 @@ def run_report(trace: Path, out: Path) -> dict[str, Any]:
         "rc": proc.returncode,
         "stderr": (err.strip().splitlines() or [""])[0][:160],
         "wall_s": round(wall, 2),
+        # the child's own CPU time (user + system): on a shared machine, less sensitive to load than wall
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
         "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
         "report_mib": round(report.stat().st_size / MiB, 2) if report.exists() else None,
         "load_avg": round(load, 1),
@@ -220,7 +223,8 @@ def main() -> int:
             path.unlink()
             rows.append(row)
             print(
-                f"| {name} | {what} | {row['rc']} | {row['wall_s']} s | {row['peak_rss_mib']} MiB | "
+                f"| {name} | {what} | {row['rc']} | {row['wall_s']} s | {row['cpu_s']} s | "
+                f"{row['peak_rss_mib']} MiB | "
                 f"{row['report_mib'] if row['report_mib'] is not None else '-'} | {row['load_avg']} | "
                 f"{row['stderr']} |",
                 flush=True,

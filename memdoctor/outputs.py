@@ -19,6 +19,8 @@ The policy, in one place:
   is refused with one line naming the holder (``-o DIR``, ``--force`` too), or, without ``-o``, takes
   the next free ``memdoctor-report-N``. The lock is the operating system's (``flock``), so a holder that
   died (``kill -9``) holds nothing: its folder is free again, with no stale lock to clear by hand.
+  ``memdoctor report`` claims the folder it writes into the same way, so it never writes its two files
+  into a folder a running profile holds (refused in one line, exit code 2).
 """
 
 from __future__ import annotations
@@ -195,10 +197,10 @@ def profile_output_dir(explicit: Path | None, *, force: bool, cwd: Path | None =
     return OutputDir(path, note, claim)
 
 
-def _claim_or_refuse(path: Path, force: bool) -> FolderClaim:
+def _claim_or_refuse(path: Path, force: bool, command: str = "profile") -> FolderClaim:
     """Claim an explicit (or forced) folder; a live holder, or a folder that filled meanwhile, is refused."""
     try:
-        claim = FolderClaim(path)
+        claim = FolderClaim(path, command)
     except FolderHeld as held:
         raise UsageError(held_message(path, held.holder)) from None
     except OSError as exc:
@@ -223,17 +225,23 @@ def _held(path: Path) -> bool:
 
 
 def report_output_dir(trace_path: Path, explicit: Path | None, *, force: bool) -> OutputDir:
-    """Resolve and create the folder ``memdoctor report`` writes into (see the module docstring)."""
+    """Resolve, create and claim the folder ``memdoctor report`` writes into (see the module docstring).
+    The claim (release it once both files are written) keeps a re-render out of a folder that a running
+    profile holds: a live holder is refused with one line naming it (a ``UsageError``, exit code 2)."""
     if explicit is not None:
-        return OutputDir(_explicit(explicit, force))
+        if explicit.is_dir() and _held(explicit):  # "in use", before "not empty": it names the run
+            _claim_or_refuse(explicit, force, "report").release()
+        path = _explicit(explicit, force)
+        return OutputDir(path, claim=_claim_or_refuse(path, force, "report"))
     folder = trace_path.resolve().parent
     if force or not any((folder / name).exists() for name in REPORT_FILES):
-        return OutputDir(ensure_writable(folder))
-    path, claim = _first_free(folder / f"{RERENDER_DIRNAME}-1", f"{RERENDER_DIRNAME}-", start=1)
-    claim.release()  # a re-render writes two files atomically: nothing to hold the folder for
-    return OutputDir(
-        path, f"{display_path(folder)} already has a report; writing to {display_path(path)} instead"
+        # Beside the trace: a folder that holds files already (the trace), so only a live run is refused.
+        return OutputDir(ensure_writable(folder), claim=_claim_or_refuse(folder, True, "report"))
+    path, claim = _first_free(
+        folder / f"{RERENDER_DIRNAME}-1", f"{RERENDER_DIRNAME}-", start=1, command="report"
     )
+    note = f"{display_path(folder)} already has a report; writing to {display_path(path)} instead"
+    return OutputDir(path, note, claim)
 
 
 def is_empty_dir(path: Path, *, ignore_lock: bool = True) -> bool:
@@ -270,7 +278,9 @@ def _explicit(path: Path, force: bool) -> Path:
     return ensure_writable(path)
 
 
-def _first_free(base: Path, prefix: str, start: int = 0) -> tuple[Path, FolderClaim]:
+def _first_free(
+    base: Path, prefix: str, start: int = 0, command: str = "profile"
+) -> tuple[Path, FolderClaim]:
     """The first of ``base``, ``<prefix>1``, ``<prefix>2``, ... that we could claim (new or empty, and
     held by no other run), claimed."""
     for n in range(start, _MAX_SUFFIX):
@@ -279,7 +289,7 @@ def _first_free(base: Path, prefix: str, start: int = 0) -> tuple[Path, FolderCl
             continue
         ensure_writable(candidate)
         try:
-            claim = FolderClaim(candidate)
+            claim = FolderClaim(candidate, command)
         except FolderHeld:
             continue
         except OSError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import importlib
+import os
 import subprocess
 import sys
 import types
@@ -16,6 +17,7 @@ import pytest
 from memdoctor import __version__, exitcodes
 from memdoctor.cli import main, parse_args
 from memdoctor.errors import TraceError
+from memdoctor.outputs import LOCK_NAME, FolderClaim, FolderHeld
 from memdoctor.trace import TraceWriter, make_header
 
 REPO = Path(__file__).resolve().parent.parent
@@ -426,6 +428,45 @@ def fake_report(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
             monkeypatch.setitem(sys.modules, name, module)
         monkeypatch.setattr(module, attr, fn, raising=False)
     return out_dirs
+
+
+def test_report_refuses_a_folder_a_running_profile_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_report: list[Path]
+) -> None:
+    # A profile writing into its folder holds it (outputs.FolderClaim); a re-render there would race it.
+    trace = _write_trace(tmp_path / "trace.jsonl.gz")
+    other = tmp_path / "other"
+    other.mkdir()
+    for folder, args in [(tmp_path, []), (other, ["-o", str(other), "--force"])]:
+        with FolderClaim(folder):  # this process stands in for the running profile
+            assert main(["report", str(trace), *args]) == exitcodes.USAGE_ERROR
+            lines = stderr_lines(capsys)
+            assert len(lines) == 1 and f"{folder}: in use by memdoctor profile (pid {os.getpid()}" in lines[0]
+    assert fake_report == []  # nothing was written
+    assert main(["report", str(trace), "-o", str(other), "--force"]) == exitcodes.OK  # free again
+    assert fake_report == [other]
+
+
+def test_report_holds_its_folder_while_it_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_report: list[Path]
+) -> None:
+    trace = _write_trace(tmp_path / "trace.jsonl.gz")
+    holders: list[Any] = []
+
+    def write_report(trace: Any, out_dir: Path, summary: Any = None) -> dict[str, Path]:
+        with pytest.raises(FolderHeld) as held:  # a profile starting now would be refused
+            FolderClaim(Path(out_dir))
+        holders.append(held.value.holder)
+        return {}
+
+    monkeypatch.setattr(importlib.import_module("memdoctor.report"), "write_report", write_report)
+    for args in [[], ["-o", str(tmp_path / "out")], []]:  # beside the trace, -o, a rerender-N folder
+        assert main(["report", str(trace), *args]) == exitcodes.OK
+        (tmp_path / "report.html").write_text("a report: the next run takes rerender-1")
+    assert [h["command"] for h in holders] == ["report"] * 3
+    assert [h["pid"] for h in holders] == [os.getpid()] * 3
+    for folder in (tmp_path, tmp_path / "out", tmp_path / "rerender-1"):
+        assert not (folder / LOCK_NAME).exists()  # released once written
 
 
 def test_report_writes_beside_the_trace_then_into_rerender(

@@ -329,3 +329,54 @@ def test_a_plan_naming_a_cut_module_applies_to_it() -> None:
     finally:
         applied.remove()
     assert target.forward == forward
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        (("timeline", "module"), [0, -1]),  # a negative module index
+        (("timeline", "depth"), [0, True]),  # a bool is no number
+        (("timeline", "t_ms"), [0.5, -0.5]),  # (NaN and Inf are refused by the JSON decoder itself)
+        (("timeline", "allocated"), [1, "2"]),
+        (("timeline", "event"), ["fwd_pre", 3]),
+        (("phases_ms", "forward"), -1.0),
+        (("memory", "categories_at_peak"), {"activations": "1"}),
+        (("memory", "peak_model"), -1),
+    ],
+    ids=["module", "depth", "t_ms", "figure", "event", "phase", "category", "peak_model"],
+)
+def test_column_checks_refuse_what_each_value_check_refused(
+    tmp_path: Path, where: tuple[str, str], value: Any
+) -> None:
+    """The record checks run over a whole column at once (``trace.check._COLUMNS``): one bad value of a
+    column still refuses the trace, naming the record."""
+    records = _records(tmp_path / "t.jsonl.gz")
+    step = next(r for r in records if r["type"] == "step")
+    section, key = where
+    if section == "timeline":
+        n = len(step["timeline"]["t_ms"])
+        value = value + [value[0]] * (n - len(value))  # the other columns' length
+    step[section][key] = value
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(b"".join(gzip.compress(json.dumps(r).encode() + b"\n", mtime=0) for r in records))
+    with pytest.raises(TraceError, match=r"record \d+ is invalid \(step"):
+        load_trace(path)
+
+
+def test_a_frozen_trace_answers_once_and_an_unfrozen_one_afresh(tmp_path: Path) -> None:
+    from memdoctor.analysis.steps import peak_step
+
+    b = TraceBuilder(kind="cpu")
+    b.add_model(tiny_mlp())
+    b.add_steps(warmup=1, profiled=3)
+    trace = b.build()
+    first = peak_step(trace)
+    assert first is not None
+    with trace.frozen():
+        assert peak_step(trace) is first
+        trace.steps.remove(first)  # not done while frozen: the answer stays the one found first
+        assert peak_step(trace) is first
+        profiled = trace.profiled_steps()
+        profiled.clear()  # a caller's own list: the remembered one is untouched
+        assert trace.profiled_steps()
+    assert peak_step(trace) is not first  # outside, asked afresh

@@ -33,7 +33,12 @@ GRAD_CHART_STEPS = 8
 def grad_norm_steps(trace: Trace) -> list[StepRecord]:
     """Complete steps that measured gradient norms (warm-up steps included), in order; not the steps a
     GradScaler skipped (their Inf/NaN gradients never reached the weights: see ``scaler_skip_flags``)."""
-    return [s for s in trace.steps if s.complete and _has_grad_norms(s) and not scaler_skipped(s)]
+    return list(
+        trace.cached(
+            "grad_norm_steps",
+            lambda: [s for s in trace.steps if s.complete and _has_grad_norms(s) and not scaler_skipped(s)],
+        )
+    )
 
 
 def scaler_skipped(step: StepRecord) -> bool:
@@ -42,7 +47,10 @@ def scaler_skipped(step: StepRecord) -> bool:
 
 
 def _has_grad_norms(step: StepRecord) -> bool:
-    return any("grad_norm" in cols for cols in step.modules.values())
+    for cols in step.modules.values():  # noqa: SIM110 (a loop: any(<generator>) costs 3x, for every step)
+        if "grad_norm" in cols:
+            return True
+    return False
 
 
 def step_grad_norm(step: StepRecord) -> dict[str, Any] | None:
@@ -152,34 +160,50 @@ def vanishing_flags(trace: Trace, steps: list[StepRecord] | None = None) -> list
     gradient norm, over all its submodules, is ``VANISHING_RATIO`` (1000) times or more below the median
     of its neighbours (up to two blocks on each side). Its weights barely learn; look for what cuts the
     gradient there (a saturated activation, a detach, a residual path that skips it, a bad init)."""
-    out = []
-    stacks = [(info, repeated_blocks(info)) for info in trace.models]  # once, not once per step
+    out: list[dict[str, Any]] = []
+    # each block with its neighbours, found once for all steps
+    hoods = [(info, _neighbourhoods(repeated_blocks(info))) for info in trace.models]
+    hoods = [(info, h) for info, h in hoods if h]
+    if not hoods:
+        return out
     for s in grad_norm_steps(trace) if steps is None else steps:
-        for info, blocks in stacks:
-            if blocks:
-                out += _vanishing_in(trace, info, blocks, s)
+        for info, h in hoods:
+            out += _vanishing_in(trace, info, h, s)
     return out
 
 
+def _neighbourhoods(stacks: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """``(block, its neighbours)`` of every block of ``stacks``: up to ``VANISHING_NEIGHBOURS`` each side."""
+    n = VANISHING_NEIGHBOURS
+    return [
+        (i, blocks[max(0, k - n) : k] + blocks[k + 1 : k + 1 + n])
+        for blocks in stacks
+        for k, i in enumerate(blocks)
+    ]
+
+
 def _vanishing_in(
-    trace: Trace, info: ModelInfo, stacks: list[list[int]], step: StepRecord
+    trace: Trace, info: ModelInfo, hoods: list[tuple[int, list[int]]], step: StepRecord
 ) -> list[dict[str, Any]]:
     norms = inclusive_grad_norms(info, _grad_columns(info, step))
+    known = [v for v in (norms[i] for i, _ in hoods) if v is not None]
+    # A flagged block's norm is at least the smallest, and its neighbours' median at most the largest:
+    # when the smallest is within the ratio of the largest, no block is flagged (nearly every step).
+    if not known or min(known) * VANISHING_RATIO > max(known):
+        return []
     out = []
-    for blocks in stacks:
-        for k, i in enumerate(blocks):
-            value = norms[i]
-            if value is None:
-                continue
-            near = blocks[max(0, k - VANISHING_NEIGHBOURS) : k] + blocks[k + 1 : k + 1 + VANISHING_NEIGHBOURS]
-            values = [v for v in (norms[j] for j in near) if v is not None]
-            med = statistics.median(values) if values else None
-            if med is None or value * VANISHING_RATIO > med:
-                continue
-            name = module_label(trace, info.index, i)
-            ratio = f"{med / value:.3g}x" if value > 0 else "infinitely"
-            text = f"gradient norm {value:.3g}, {ratio} below the median of its neighbours ({med:.3g})"
-            out.append(_grad_flag("vanishing", name, step.step, text))
+    for i, near in hoods:
+        value = norms[i]
+        if value is None:
+            continue
+        values = [v for v in (norms[j] for j in near) if v is not None]
+        med = statistics.median(values) if values else None
+        if med is None or value * VANISHING_RATIO > med:
+            continue
+        name = module_label(trace, info.index, i)
+        ratio = f"{med / value:.3g}x" if value > 0 else "infinitely"
+        text = f"gradient norm {value:.3g}, {ratio} below the median of its neighbours ({med:.3g})"
+        out.append(_grad_flag("vanishing", name, step.step, text))
     return out
 
 

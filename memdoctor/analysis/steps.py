@@ -16,8 +16,12 @@ from memdoctor.trace import CATEGORIES, PHASES, StepRecord, Trace
 def peak_step(trace: Trace) -> StepRecord | None:
     """The detailed profiled step with the highest peak (timing steps carry no ledger); without
     profiled steps, any step (incomplete too)."""
-    pool = trace.detailed_steps() or trace.profiled_steps() or trace.steps
-    return max(pool, key=step_peak_bytes, default=None)
+
+    def find() -> StepRecord | None:
+        pool = trace.detailed_steps() or trace.profiled_steps() or trace.steps
+        return max(pool, key=step_peak_bytes, default=None)
+
+    return trace.cached("peak_step", find)  # asked for by every section of a summary and report
 
 
 def step_peak_bytes(step: StepRecord) -> int:

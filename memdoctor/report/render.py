@@ -108,10 +108,11 @@ def render_report(
 ) -> str:
     """The whole report as one HTML string (``summary`` is computed when not given); ``config_path`` is
     where the plan's ``memdoctor.yaml`` is written, for the command that applies it."""
-    summary = summary if summary is not None else build_summary(trace)
-    context = report_context(trace, summary)
-    context["run"]["apply_command"] = apply_command(trace, config_path)
-    context["first"] = first_screen(trace, summary, config_path)
+    with trace.frozen():
+        summary = summary if summary is not None else build_summary(trace)
+        context = report_context(trace, summary)
+        context["run"]["apply_command"] = apply_command(trace, config_path)
+        context["first"] = first_screen(trace, summary, config_path)
     return environment().get_template(TEMPLATE).render(**context)
 
 
@@ -119,12 +120,13 @@ def write_report(trace: Trace, out_dir: Path, summary: dict[str, Any] | None = N
     """Write ``report.html``, ``summary.json`` and, when there is a plan, ``memdoctor.yaml`` into ``out_dir``
     (each atomically); return their paths. ``summary``: the trace's, when the caller has built it."""
     out_dir = Path(out_dir)
-    summary = summary if summary is not None else build_summary(trace)
-    html = render_report(trace, summary, str((out_dir / CONFIG_FILENAME).absolute()))
-    paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
-    atomic_write(paths["summary"], summary_json(summary))
-    atomic_write(paths["report"], html)
-    config = config_for_summary(trace, summary)
+    with trace.frozen():  # see Trace.frozen: the summary and the report ask the same of all steps
+        summary = summary if summary is not None else build_summary(trace)
+        html = render_report(trace, summary, str((out_dir / CONFIG_FILENAME).absolute()))
+        paths = {"summary": out_dir / SUMMARY_FILENAME, "report": out_dir / REPORT_FILENAME}
+        atomic_write(paths["summary"], summary_json(summary))
+        atomic_write(paths["report"], html)
+        config = config_for_summary(trace, summary)
     if config is not None:  # the plan as memdoctor.yaml, under the same write and --force policy
         paths["config"] = out_dir / CONFIG_FILENAME
         atomic_write(paths["config"], dump_config(config))

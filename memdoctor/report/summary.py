@@ -20,8 +20,9 @@ SUMMARY_FILENAME = "summary.json"
 def build_summary(trace: Trace) -> dict[str, Any]:
     """The content of ``summary.json``: the analysis figures, the plan (``ninegrid``, ``findings``,
     ``plan``, ...) and the one-sentence ``headline``."""
-    summary = summary_figures(trace)
-    plan_summary.summarize(trace, summary)
+    with trace.frozen():  # what every section asks of all steps (the peak step ...) is found once
+        summary = summary_figures(trace)
+        plan_summary.summarize(trace, summary)
     summary["headline"] = headline(summary)
     return summary
 
@@ -45,6 +46,8 @@ def embedded_summary(summary: dict[str, Any], rows: int) -> dict[str, Any]:
 # Top-level lists with a row per step: written a row to a line (see ``summary_json``).
 ROW_KEYS = ("steps", "grad_norm")
 _ROW_MARK = "\x00rows"
+# One encoder for every row (``json.dumps`` makes one a row).
+_ROW_ENCODER = json.JSONEncoder(sort_keys=True, separators=(", ", ": "), allow_nan=False)
 
 
 def summary_json(summary: dict[str, Any]) -> str:
@@ -58,8 +61,6 @@ def summary_json(summary: dict[str, Any]) -> str:
     for key, items in rows.items():
         # The marker's text ("\u0000rows") at the top level, after the key: nothing else can look so.
         mark = f"\n  {json.dumps(key)}: {json.dumps(_ROW_MARK)}"
-        lines = ",\n    ".join(
-            json.dumps(r, sort_keys=True, separators=(", ", ": "), allow_nan=False) for r in items
-        )
+        lines = ",\n    ".join(map(_ROW_ENCODER.encode, items))
         text = text.replace(mark, f"\n  {json.dumps(key)}: [\n    {lines}\n  ]", 1)
     return text + "\n"

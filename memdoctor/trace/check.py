@@ -33,14 +33,21 @@ def _str(v: Any) -> bool:
 
 
 def _opt(check: Check) -> Check:
-    return lambda v: v is None or check(v)
+    fast = _OPTIONAL.get(check)
+    return fast if fast is not None else lambda v: v is None or check(v)
 
 
 def _list_of(check: Check) -> Check:
+    column = _COLUMNS.get(check)
+    if column is not None:
+        return lambda v: type(v) is list and column(v)
     return lambda v: type(v) is list and all(map(check, v))
 
 
 def _dict_of(check: Check) -> Check:
+    column = _COLUMNS.get(check)
+    if column is not None:
+        return lambda v: type(v) is dict and column(list(v.values()))
     return lambda v: type(v) is dict and all(map(check, v.values()))
 
 
@@ -54,6 +61,58 @@ _YEAR_10000 = 253402300800
 
 def _signed_int(v: Any) -> bool:
     return type(v) is int
+
+
+# The optional checks, as one call each rather than two (``_opt`` of a check not listed wraps it).
+def _opt_int(v: Any) -> bool:
+    return v is None or (type(v) is int and v >= 0)
+
+
+def _opt_num(v: Any) -> bool:
+    return v is None or _num(v)
+
+
+def _opt_str(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and len(v) <= MAX_TEXT)
+
+
+def _opt_signed_int(v: Any) -> bool:
+    return v is None or type(v) is int
+
+
+_OPTIONAL: dict[Check, Check] = {_int: _opt_int, _num: _opt_num, _str: _opt_str, _signed_int: _opt_signed_int}
+
+# The same checks over a whole list of values at once: its types as a set, its minimum, sum or longest,
+# all in C. They say what the check of each value would say; a timeline column of a long step, a step's
+# phases, a ledger's categories are each one call, not one per value (a trace holds tens of millions).
+_NONE = type(None)
+_INTS, _INTS_NONE, _NUMBERS = frozenset((int,)), frozenset((int, _NONE)), frozenset((int, float))
+
+
+def _all_num(vals: list[Any]) -> bool:
+    # >= 0 and finite: a NaN or Inf makes the sum NaN or Inf (every value is >= 0 by then)
+    return set(map(type, vals)) <= _NUMBERS and (not vals or (min(vals) >= 0 and math.isfinite(sum(vals))))
+
+
+def _all_opt_int(vals: list[Any]) -> bool:
+    types = set(map(type, vals))
+    if not types <= _INTS_NONE:
+        return False
+    ints = [v for v in vals if v is not None] if _NONE in types else vals
+    return not ints or min(ints) >= 0
+
+
+def _all_str(vals: list[Any]) -> bool:
+    return set(map(type, vals)) <= {str} and (not vals or max(map(len, vals)) <= MAX_TEXT)
+
+
+_COLUMNS: dict[Check, Callable[[list[Any]], bool]] = {
+    _num: _all_num,
+    _str: _all_str,
+    _signed_int: lambda vals: set(map(type, vals)) <= _INTS,
+    _opt_int: _all_opt_int,
+    _opt_signed_int: lambda vals: set(map(type, vals)) <= _INTS_NONE,
+}
 
 
 HEADER = {
@@ -165,12 +224,20 @@ def check_end(end: dict[str, Any]) -> None:
     _fields(end, END, "end")
 
 
+_PHASES = _dict_of(_num)
+
+
 def check_step(step: Any) -> None:
     """The fields of one step record that readers use (a ``memdoctor.trace.StepRecord``)."""
     _fields(step.memory, MEMORY, "step.memory")
-    if not _dict_of(_num)(step.phases_ms):
+    if not _PHASES(step.phases_ms):
         raise ValueError("step.phases_ms must map phases to milliseconds")
     _check_timeline(step.timeline)
+
+
+# TIMELINE_TYPES as column checks (``_COLUMNS``); a figure column not named there: whole numbers or None.
+_TIMELINE_COLUMNS = {key: _COLUMNS[check] for key, check in TIMELINE_TYPES.items()}
+_FIGURE_COLUMN = _COLUMNS[_opt_signed_int]
 
 
 def _check_timeline(tl: dict[str, Any]) -> None:
@@ -180,8 +247,7 @@ def _check_timeline(tl: dict[str, Any]) -> None:
     for key, col in tl.items():
         if col is None:
             continue
-        check = TIMELINE_TYPES.get(key, _opt(_signed_int))
-        if not all(check(v) for v in col):
+        if type(col) is not list or not _TIMELINE_COLUMNS.get(key, _FIGURE_COLUMN)(col):
             raise ValueError(f"step.timeline.{key} holds an invalid value")
 
 
@@ -196,13 +262,13 @@ def check_references(trace: Any) -> None:
             raise ValueError(f"model {m.index}'s module tree is not in named_modules() order")
     for step in trace.steps:
         for m, cols in step.modules.items():
-            if m not in sizes or any(len(col) != sizes[m] for col in cols.values()):
+            if m not in sizes or not set(map(len, cols.values())) <= {sizes[m]}:
                 raise ValueError(f"step {step.step}: module columns do not match model {m}'s module table")
         mem = step.memory
         _check_ref(sizes, mem.get("peak_model"), mem.get("peak_module"), f"step {step.step}'s peak")
-        for model, module in zip(
-            step.timeline.get("model") or [], step.timeline.get("module") or [], strict=False
-        ):
+        # each (model, module) pair once: a timeline names a few modules thousands of times
+        tl = step.timeline
+        for model, module in set(zip(tl.get("model") or [], tl.get("module") or [], strict=False)):
             _check_ref(sizes, model, module, f"step {step.step}'s timeline")
     for ev in trace.events:
         _check_ref(sizes, ev.get("model"), ev.get("module"), "an event")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,7 @@ _BIG_SHAPES = (b"0" * 41, b"e00", b"e+00")
 
 def _may_be_big(line: bytes) -> bool:
     shape = line.translate(_SHAPE)
-    return any(s in shape for s in _BIG_SHAPES)
+    return _BIG_SHAPES[0] in shape or _BIG_SHAPES[1] in shape or _BIG_SHAPES[2] in shape
 
 
 def _bounded_int(text: str) -> int:
@@ -166,11 +166,29 @@ _PLAIN = json.JSONDecoder(parse_constant=_no_constant)
 _CHECKED = json.JSONDecoder(parse_int=_bounded_int, parse_float=_bounded_float, parse_constant=_no_constant)
 
 
+def _scanner(decoder: json.JSONDecoder) -> Callable[[str, int], tuple[Any, int]]:
+    """The decoder's own scanner (``scan_once``, which its ``__init__`` sets; the stubs do not list it)."""
+    scan: Callable[[str, int], tuple[Any, int]] = vars(decoder)["scan_once"]
+    return scan
+
+
+_PLAIN_SCAN, _CHECKED_SCAN = _scanner(_PLAIN), _scanner(_CHECKED)
+
+
 def _json(line: bytes) -> dict[str, Any]:
     if not line:
         raise ValueError("an empty line")
-    decoder = _CHECKED if _may_be_big(line) else _PLAIN
-    rec = decoder.decode(line.decode("utf-8", errors="replace"))
+    decoder, scan = (_CHECKED, _CHECKED_SCAN) if _may_be_big(line) else (_PLAIN, _PLAIN_SCAN)
+    text = line.decode("utf-8", errors="replace")
+    # The decoder's scanner itself, once a record: what ``decode`` does, less two regular-expression
+    # matches and two calls. A line that does not end where its JSON value does (spaces around it, or
+    # anything after it) goes to ``decode``, which accepts the spaces and words the error.
+    try:
+        rec, end = scan(text, 0)
+    except StopIteration:
+        rec, end = None, -1
+    if end != len(text):
+        rec = decoder.decode(text)
     if not isinstance(rec, dict):
         raise ValueError("a record must be a JSON object")
     return rec

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 from memdoctor.units import MAX_NAME_CHARS
+
+T = TypeVar("T")
 
 FORMAT_NAME = "memdoctor-trace"
 FORMAT_VERSION = 1
@@ -195,6 +199,32 @@ class Trace:
     collected: dict[str, dict[str, Any]] = field(default_factory=dict)
     path: str | None = None
     truncated: bool = False  # only ever True for a trace loaded with salvage=True
+    # Figures over every step, computed once while the trace is ``frozen`` (see there); None: not frozen.
+    _memo: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @contextmanager
+    def frozen(self) -> Iterator[Trace]:
+        """A stretch in which the trace does not change (a summary or report being built from it), so
+        that what every analysis asks of all its steps (the profiled steps, the peak step) is found once,
+        not once per question: ten passes over 100,000 steps each cost a second. Re-entrant; outside
+        it, nothing is remembered, so a trace being recorded or edited is always read afresh."""
+        if self._memo is not None:
+            yield self
+            return
+        self._memo = {}
+        try:
+            yield self
+        finally:
+            self._memo = None
+
+    def cached(self, key: str, compute: Callable[[], T]) -> T:
+        """``compute()``, once per ``key`` while the trace is ``frozen``; every call outside it."""
+        if self._memo is None:
+            return compute()
+        if key not in self._memo:
+            self._memo[key] = compute()
+        value: T = self._memo[key]
+        return value
 
     @property
     def device(self) -> dict[str, Any]:
@@ -205,12 +235,12 @@ class Trace:
         return self.header.get("settings") or {}
 
     def profiled_steps(self) -> list[StepRecord]:
-        """Complete, non-warmup steps; the figures a report leads with."""
-        return [s for s in self.steps if s.complete and not s.warmup]
+        """Complete, non-warmup steps; the figures a report leads with. (A new list: callers may edit it.)"""
+        return list(self.cached("profiled", lambda: [s for s in self.steps if s.complete and not s.warmup]))
 
     def detailed_steps(self) -> list[StepRecord]:
         """Profiled steps that carry the per-module ledger (all of them, unless timing steps were used)."""
-        return [s for s in self.profiled_steps() if s.detail == "full"]
+        return list(self.cached("detailed", lambda: [s for s in self.profiled_steps() if s.detail == "full"]))
 
     def records(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [dict(self.header, type="header")]
@@ -321,7 +351,8 @@ def _list_of(value: Any, key: str) -> list[Any]:
     return value
 
 
-_NUMBER_TYPES = frozenset((int, float, type(None)))
+_NONE = type(None)
+_NUMBER_TYPES = frozenset((int, float, _NONE))
 
 
 def _numbers(value: Any, key: str) -> list[Any]:
@@ -348,8 +379,9 @@ def _columns(cols: Any) -> dict[str, list[Any]]:
         raise ValueError("step.modules entries must be objects")
     if all(type(v) is list for v in cols.values()):
         items = list(chain.from_iterable(cols.values()))
-        if set(map(type, items)) <= _NUMBER_TYPES:
-            nums = [x for x in items if x is not None]
+        types = set(map(type, items))
+        if types <= _NUMBER_TYPES:
+            nums = [x for x in items if x is not None] if _NONE in types else items  # most have no None
             if not nums or (min(nums) >= 0 and math.isfinite(sum(nums))):
                 return cols
     return {k: _numbers(v, k) for k, v in cols.items()}  # finds the offending column, for the message
@@ -369,6 +401,8 @@ def _int(rec: dict[str, Any], key: str, default: int | None = None) -> int:
 
 
 def _as_int(value: Any, what: str) -> int:
+    if type(value) is int and value >= 0:  # nearly always: the rest of the checks, for the others
+        return value
     if isinstance(value, str) and value.lstrip("-").isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -6,9 +6,12 @@ decompresses through a bounded output buffer, counts every decompressed byte aga
 refuses a line longer than a record may be as soon as the line grows past it, never after buffering
 the whole file (a 1 MB trace can hold 1 GiB of newlines; a 3 GB file may be no trace at all).
 
-Members are read through a growing input window (512 B, doubling to 1 MiB) that starts small for each
-member: what zlib hands back after a member ends (``unused_data``, a copy) is at most one window, so a
-file of 100,000 tiny members costs what one large member does, not 100,000 copies of the file's tail.
+Members are read through a growing input window (doubling to 1 MiB) that starts small for each member
+(512 B more than the member before took, which holds most records whole): what zlib hands back after
+a member ends (``unused_data``, a copy) is at most one window, so a file of 100,000 tiny members costs
+what one large member does, not 100,000 copies of the file's tail. The file is read in blocks of
+``_READ`` bytes, and the windows are views into the block (no copy); only the first two bytes are read
+before the magic bytes are checked.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 FIRST_WINDOW = 512
 _MAX_WINDOW = 1 << 20
 _OUT_CHUNK = 1 << 20
+_READ = 1 << 20
 
 
 class GzipLines:
@@ -42,16 +46,15 @@ class GzipLines:
         self.truncated = False
         self.decompressed = 0
         self.lines = 0  # lines yielded so far
-        self._pending = memoryview(b"")
+        self._block = memoryview(b"")  # the input read last, and where in it the next member starts
         self._pos = 0
-        self._from_pending = False
 
     def __iter__(self) -> Iterator[bytes]:
         head = self._fh.read(len(GZIP_MAGIC))
         if head != GZIP_MAGIC:
             what = "a memdoctor trace is gzip-compressed JSON Lines"
             raise TraceError(f"{self._name}: not a gzip file; {what}")
-        self._pending, self._pos = memoryview(head), 0
+        self._block, self._pos = memoryview(head), 0
         carry = bytearray()
         for chunk in self._chunks():
             start = 0
@@ -79,55 +82,45 @@ class GzipLines:
             )
 
     def _chunks(self) -> Iterator[bytes]:
-        """Decompressed output, member after member, in chunks of at most ``_OUT_CHUNK`` bytes."""
+        """Decompressed output, member after member, in chunks of at most ``_OUT_CHUNK`` bytes. One flat
+        loop (no generator per member): a trace is 100,000 members, each a record of a few hundred bytes."""
+        first = FIRST_WINDOW
         while True:
             d = zlib.decompressobj(wbits=31)
-            window = FIRST_WINDOW
-            started = False
+            window, used = first, 0
             while not d.eof:
-                data = self._take(window)
+                data: bytes | memoryview = self._take(window)
                 if not data:
-                    if started:  # the file ends inside a member
+                    if used:  # the file ends inside a member
                         self.truncated = True
                     return
-                started = True
+                used += len(data)
                 window = min(window * 2, _MAX_WINDOW)
-                try:
-                    yield from self._inflate(d, data)
-                except zlib.error:
-                    self.truncated = True
-                    return
-            self._put_back(d.unused_data)
+                while True:
+                    try:
+                        out = d.decompress(data, _OUT_CHUNK)
+                    except zlib.error:
+                        self.truncated = True
+                        return
+                    self.decompressed += len(out)
+                    if self.decompressed > self.max_bytes:
+                        raise TraceError(
+                            f"{self._name}: the trace decompresses to more than the cap of {self.max_bytes} "
+                            "bytes; refusing to load it"
+                        )
+                    if out:
+                        yield out
+                    data = d.unconsumed_tail
+                    if d.eof or (not data and len(out) < _OUT_CHUNK):
+                        break
+            unused = d.unused_data
+            self._pos -= len(unused)  # hand back what the member did not use: the next one starts there
+            first = min(used - len(unused) + FIRST_WINDOW, _MAX_WINDOW)
 
-    def _inflate(self, d: zlib._Decompress, data: bytes | memoryview) -> Iterator[bytes]:
-        while True:
-            out = d.decompress(data, _OUT_CHUNK)
-            self.decompressed += len(out)
-            if self.decompressed > self.max_bytes:
-                raise TraceError(
-                    f"{self._name}: the trace decompresses to more than the cap of {self.max_bytes} bytes; "
-                    "refusing to load it"
-                )
-            if out:
-                yield out
-            data = d.unconsumed_tail
-            if d.eof or (not data and len(out) < _OUT_CHUNK):
-                return
-
-    def _take(self, n: int) -> bytes | memoryview:
-        if self._pos < len(self._pending):
-            piece = self._pending[self._pos : self._pos + n]
-            self._pos += len(piece)
-            self._from_pending = True
-            return piece
-        self._from_pending = False
-        return self._fh.read(n)
-
-    def _put_back(self, unused: bytes) -> None:
-        """Hand back the input a finished member did not use (the tail of the last piece taken)."""
-        if not unused:
-            return
-        if self._from_pending:
-            self._pos -= len(unused)
-        else:
-            self._pending, self._pos = memoryview(unused), 0
+    def _take(self, n: int) -> memoryview:
+        """Up to ``n`` bytes of input, a view into the block read last (the next block once it is used)."""
+        if self._pos >= len(self._block):
+            self._block, self._pos = memoryview(self._fh.read(max(n, _READ))), 0
+        piece = self._block[self._pos : self._pos + n]
+        self._pos += len(piece)
+        return piece
