@@ -74,6 +74,8 @@ FAST_FILES = frozenset(
         "test_outside_modules.py",
         "test_levers_step_hooks.py",
         "test_permissions.py",
+        "test_autocast_outputs.py",
+        "test_trace_json.py",
         "test_plan.py",
         "test_plan_accuracy_recorded.py",
         "test_plan_card.py",

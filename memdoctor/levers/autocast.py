@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memdoctor.capture.loopshape import find_loss
 from memdoctor.capture.precision import autocast_now
 from memdoctor.config import GradScalerSettings
 from memdoctor.levers.targets import optimizers_of
@@ -64,9 +65,26 @@ def autocast_forward(
                     )
             return inner(*args, **kwargs)
         with torch.autocast(device_type=device, dtype=dtype):
-            return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
+        return out if find_loss(out).loss is not None else to_float32(out)
 
     return wrap_forward(model, forward)
+
+
+def to_float32(out: Any) -> Any:
+    """A forward's 16-bit outputs as fp32, where it returned no loss: the script computes the loss from
+    them outside the autocast memdoctor added, in the fp32 code it wrote, where a loss such as
+    ``BCELoss`` with fp32 targets refuses a 16-bit input (dcgan's discriminator: "Found dtype Float but
+    expected Half"). accelerate's ``convert_outputs_to_fp32`` does the same for its own autocast; it
+    costs an fp32 copy of the outputs. Tensors, and tuples, lists and plain dicts of them; anything
+    else is returned as it is."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    if type(out) in (tuple, list):
+        return type(out)(to_float32(x) for x in out)
+    if type(out) is dict:
+        return {k: to_float32(v) for k, v in out.items()}
+    return out
 
 
 class LossScaling:

@@ -142,6 +142,15 @@ def _may_be_big(line: bytes) -> bool:
     return _BIG_SHAPES[0] in shape or _BIG_SHAPES[1] in shape or _BIG_SHAPES[2] in shape
 
 
+# orjson reads an integer past 64 bits as a float, the standard library as an int: a line with a run of
+# this many digits or more goes to the standard decoder, so that both read every trace alike.
+_LONG_DIGITS = b"0" * 19
+
+
+def _plain_numbers(line: bytes) -> bool:
+    return _LONG_DIGITS not in line.translate(_SHAPE)
+
+
 def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > 40:
         raise ValueError(f"a number of {len(text)} digits (numbers past {MAX_ABS_NUMBER:g} are refused)")
@@ -162,6 +171,11 @@ def _no_constant(text: str) -> Any:
     raise ValueError(f"{text} is not a number a trace may hold")
 
 
+try:  # optional: a faster parser of the same JSON (a dependency; the standard library where missing)
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - exercised by the tests' fallback case
+    _orjson = None  # type: ignore[assignment]
+
 _PLAIN = json.JSONDecoder(parse_constant=_no_constant)
 _CHECKED = json.JSONDecoder(parse_int=_bounded_int, parse_float=_bounded_float, parse_constant=_no_constant)
 
@@ -178,7 +192,20 @@ _PLAIN_SCAN, _CHECKED_SCAN = _scanner(_PLAIN), _scanner(_CHECKED)
 def _json(line: bytes) -> dict[str, Any]:
     if not line:
         raise ValueError("an empty line")
-    decoder, scan = (_CHECKED, _CHECKED_SCAN) if _may_be_big(line) else (_PLAIN, _PLAIN_SCAN)
+    big = _may_be_big(line)
+    if _orjson is not None and not big and _plain_numbers(line):
+        # orjson parses a record ~3-4x faster than the standard library (most of reading 100,000 steps);
+        # it refuses what the checks below refuse too (NaN, Infinity, 64-bit overflows, bad UTF-8), and
+        # such a line goes on to the standard decoder, whose error memdoctor reports.
+        try:
+            rec = _orjson.loads(line)
+        except _orjson.JSONDecodeError:
+            pass
+        else:
+            if not isinstance(rec, dict):
+                raise ValueError("a record must be a JSON object")
+            return rec
+    decoder, scan = (_CHECKED, _CHECKED_SCAN) if big else (_PLAIN, _PLAIN_SCAN)
     text = line.decode("utf-8", errors="replace")
     # The decoder's scanner itself, once a record: what ``decode`` does, less two regular-expression
     # matches and two calls. A line that does not end where its JSON value does (spaces around it, or
