@@ -105,7 +105,9 @@ def test_a_failing_gradient_norm_is_memdoctors_not_the_scripts(
 @pytest.mark.parametrize(
     ("script", "config", "expect", "told"),
     [
-        (None, "bf16", torch.bfloat16, False),  # no autocast of its own: the config's applies
+        # no autocast of its own: the config's applies (bf16 values), and the output a loss outside the
+        # model gets is fp32 (``to_float32``)
+        (None, "bf16", torch.float32, False),
         (torch.bfloat16, "bf16", torch.bfloat16, False),  # the same: nothing doubled, nothing said
         (torch.bfloat16, "fp16", torch.bfloat16, True),  # another dtype: the script's kept, and said
     ],
@@ -121,6 +123,7 @@ def test_the_autocast_lever_keeps_a_scripts_own_autocast(
             with torch.autocast("cpu", dtype=script or torch.bfloat16, enabled=script is not None):
                 out = model(torch.randn(2, 4))
             assert out.dtype == expect
+            assert torch.equal(out, out.bfloat16().to(out.dtype))  # computed in bf16 in every case
     finally:
         undo()
     assert len(said) == (1 if told else 0)
