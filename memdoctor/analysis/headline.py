@@ -93,7 +93,7 @@ def _fault_memory(summary: dict[str, Any]) -> str:
     """``, with 7.62 GiB allocated (budget 8.00 GiB)`` from the last sample before the fault."""
     live = summary.get("live_at_fault") or {}
     held = (live.get("allocator") or {}).get("allocated")
-    text = f", with {format_bytes(held)} allocated (measured)" if held else ""
+    text = f", with {format_bytes(held)} allocated when it died (measured)" if held else ""
     if not held and live.get("categories"):
         held = sum(v or 0 for v in live["categories"].values())
         text = f", with {format_bytes(held)} in tensors (measured)" if held else ""
