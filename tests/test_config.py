@@ -90,12 +90,29 @@ def test_round_trip_through_the_file(tmp_path: Path) -> None:
         ("a: &x [1]\nb: *x\n", "anchors and aliases"),
         ("- 1\n- 2\n", "a mapping"),
         ("memdoctor_config: [1\n", "not valid YAML"),
+        ("memdoctor_config: 1\nparallel: ddp\n", "needs gpus of 2 or more"),
+        ("memdoctor_config: 1\ngpus: 2\n", "gpus 2 needs parallel"),
+        ("memdoctor_config: 1\ngpus: 2\nparallel: zero3\n", "parallel must be one of"),
+        ("memdoctor_config: 1\ngpus: 2\nparallel: ddp\nshard_modules: [h.0]\n", "for parallel fsdp2"),
+        ("memdoctor_config: 1\ngpus: 2\nparallel: ddp\nfull_offload: true\n", "needs parallel fsdp2"),
     ],
 )
 def test_bad_configs_are_one_line_errors(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         parse_config(text)
     assert "\n" not in str(info.value)
+
+
+def test_parallel_fields_round_trip() -> None:
+    config = PlanConfig(gpus=4, parallel="fsdp2", shard_modules=("h.0", "h.1"), full_offload=True)
+    again = parse_config(dump_config(config))
+    assert (again.gpus, again.parallel, again.shard_modules, again.full_offload) == (
+        4,
+        "fsdp2",
+        ("h.0", "h.1"),
+        True,
+    )
+    assert parse_config("memdoctor_config: 1\n").parallel is None
 
 
 def test_a_tag_never_constructs_an_object(tmp_path: Path) -> None:

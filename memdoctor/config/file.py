@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from memdoctor.errors import ConfigError
-from memdoctor.plan.config import OPTIMIZERS, PADDING_POLICIES, PRECISIONS
+from memdoctor.plan.config import OPTIMIZERS, PADDING_POLICIES, PARALLEL, PRECISIONS
 from memdoctor.units import first_names
 
 CONFIG_VERSION = 1
@@ -92,6 +92,9 @@ class PlanConfig:
     attention: str | None = None
     allocator: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     full_offload: bool = False  # parameters, gradients, optimizer state on the CPU (FSDP2 CPUOffloadPolicy)
+    gpus: int = 1  # processes, one GPU each: memdoctor run --nproc-per-node
+    parallel: str | None = None  # one of PARALLEL (ddp, fsdp2, fsdp2-no-reshard); None: one process
+    shard_modules: tuple[str, ...] = ()  # with fsdp2: modules given their own fully_shard before the root
     data_loader: DataLoaderSettings = field(default_factory=DataLoaderSettings)
     provenance: Provenance = field(default_factory=Provenance)
 
@@ -101,6 +104,7 @@ class PlanConfig:
         d["checkpoint"] = list(self.checkpoint)
         d["offload_parameters"] = list(self.offload_parameters)
         d["script_args"] = list(self.script_args)
+        d["shard_modules"] = list(self.shard_modules)
         return {"memdoctor_config": CONFIG_VERSION, **d}
 
 
@@ -172,6 +176,9 @@ _TOP = (
     "attention",
     "allocator",
     "full_offload",
+    "gpus",
+    "parallel",
+    "shard_modules",
     "data_loader",
     "provenance",
 )
@@ -216,6 +223,7 @@ def config_from_mapping(doc: dict[Any, Any], src: str) -> PlanConfig:
         attention=_opt_choice(doc.get("attention"), "attention", ATTENTION, src),
         allocator=_opt_str(doc.get("allocator"), "allocator", src),
         full_offload=full,
+        **_parallel(doc, src),
         data_loader=_data_loader(doc.get("data_loader"), src),
         provenance=_provenance(doc.get("provenance"), src),
     )
@@ -233,6 +241,23 @@ def _full_offload(doc: dict[Any, Any], src: str) -> bool:
     if value and doc.get("offload_parameters"):
         raise ConfigError(f"{src}: full_offload already offloads every parameter: remove offload_parameters")
     return value
+
+
+def _parallel(doc: dict[Any, Any], src: str) -> dict[str, Any]:
+    """``gpus``, ``parallel`` and ``shard_modules``: an engine needs more than one GPU, blocks to shard
+    need FSDP2, and full offload over several GPUs is FSDP2's (DDP cannot hold state on the host)."""
+    gpus = _int(doc.get("gpus", 1), "gpus", src, minimum=1)
+    parallel = _opt_choice(doc.get("parallel"), "parallel", PARALLEL, src)
+    shard = _names(doc.get("shard_modules"), "shard_modules", src)
+    if parallel is not None and gpus < 2:
+        raise ConfigError(f"{src}: parallel {parallel} needs gpus of 2 or more (gpus is {gpus})")
+    if gpus > 1 and parallel is None:
+        raise ConfigError(f"{src}: gpus {gpus} needs parallel: one of {', '.join(PARALLEL)}")
+    if shard and parallel not in ("fsdp2", "fsdp2-no-reshard"):
+        raise ConfigError(f"{src}: shard_modules is for parallel fsdp2 or fsdp2-no-reshard only")
+    if parallel == "ddp" and doc.get("full_offload"):
+        raise ConfigError(f"{src}: full_offload over several GPUs needs parallel fsdp2, not ddp")
+    return {"gpus": gpus, "parallel": parallel, "shard_modules": tuple(shard)}
 
 
 def _names(value: Any, name: str, src: str) -> tuple[str, ...]:

@@ -20,6 +20,13 @@ PADDING_POLICIES = ("as-is", "trim")
 # Truncating sequences to that length percentile changes the data: the planner only offers it as an
 # alternative, labelled, never as the plan (memdoctor.yaml cannot say it).
 TRUNCATIONS = ("p90", "p99")
+# How the step is spread over several processes (one per GPU), each an engine torch ships: None (one
+# process, as profiled), "ddp" (DistributedDataParallel: every rank holds the whole model state),
+# "fsdp2" (``fully_shard`` with ``reshard_after_forward=True``: parameters, gradients and optimizer state
+# sharded, each block's parameters gathered for its forward and again for its backward) and
+# "fsdp2-no-reshard" (``reshard_after_forward=False``: gathered once, kept from forward to backward).
+# ``full_offload`` with an FSDP2 value is ``CPUOffloadPolicy`` on every rank.
+PARALLEL = ("ddp", "fsdp2", "fsdp2-no-reshard")
 # The allocator setting the planner models (PYTORCH_CUDA_ALLOC_CONF); None keeps the script's.
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -40,6 +47,11 @@ class Config:
     # Parameters, gradients and optimizer state all on the CPU (FSDP2 fully_shard + CPUOffloadPolicy):
     # excludes ``optimizer: offload`` and ``offload_parameters``, which it contains.
     full_offload: bool = False
+    gpus: int = 1  # processes, one GPU each (torch.distributed.run --nproc-per-node): the world size
+    parallel: str | None = None  # None (one process) or one of PARALLEL; with gpus > 1
+    # With an FSDP2 value: the modules wrapped with their own ``fully_shard`` (the repeated blocks, none
+    # nested in another), before the root's; empty: the root's alone.
+    shard_modules: tuple[str, ...] = ()
 
     def levers(self) -> list[str]:
         out = [f"checkpoint {len(self.checkpoint)} modules"] if self.checkpoint else []
@@ -69,6 +81,9 @@ class Config:
             out.append("allocator expandable_segments")
         if self.full_offload:
             out.append("parameters, gradients and optimizer state offloaded to the CPU (FSDP2)")
+        if self.parallel is not None:
+            blocks = f", {len(self.shard_modules)} blocks sharded" if self.shard_modules else ""
+            out.append(f"{self.parallel} over {self.gpus} GPUs{blocks}")
         return out
 
     def families(self) -> list[str]:
@@ -82,6 +97,7 @@ class Config:
             "padding": self.padding != "as-is",
             "attention": self.attention is not None,
             "allocator": self.allocator is not None,
+            "parallel": self.parallel is not None,
         }
         return [k for k, used in found.items() if used]
 
@@ -104,6 +120,9 @@ class Config:
             "attention": self.attention,
             "allocator": self.allocator,
             "full_offload": self.full_offload,
+            "gpus": self.gpus,
+            "parallel": self.parallel,
+            "shard_modules": list(self.shard_modules),
         }
 
 
@@ -133,6 +152,9 @@ def config_from_dict(d: dict[str, Any]) -> Config:
         attention=values.get("attention"),
         allocator=values.get("allocator"),
         full_offload=bool(values.get("full_offload") or False),
+        gpus=int(values.get("gpus") or 1),
+        parallel=values.get("parallel"),
+        shard_modules=tuple(values.get("shard_modules") or ()),
     )
 
 
