@@ -19,7 +19,7 @@ The same file is the unmodified workload and the hand configuration with the sam
   then the root; one process, a gloo+NCCL group of one), ``--hand-checkpoint`` HF's own gradient
   checkpointing of every layer, ``--bf16`` autocast.
 
-Each step appends ``{"step", "step_ms", "optimizer_ms", "reserved_bytes"}`` to ``--timing-file``;
+Each step appends ``{"step", "step_ms", "optimizer_ms", "reserved_bytes", "allocated_bytes"}`` to ``--timing-file``;
 ``optimizer_ms`` is the optimizer step alone (under full offload: AdamW on the host; with the state
 bytes it calibrates ``memdoctor.plan.timing.CPU_OPTIMIZER_BYTES_PER_S``, printed at the end).
 
@@ -137,9 +137,11 @@ class Timer:
     def step_end(self, step: int, optimizer_ms: float) -> None:
         now = self.now()
         reserved = torch.cuda.max_memory_reserved() if self.sync else None
+        allocated = torch.cuda.max_memory_allocated() if self.sync else None
         row = {"step": step, "step_ms": round((now - self.last) * 1e3, 3)}
         row["optimizer_ms"] = round(optimizer_ms, 3)
         row["reserved_bytes"] = reserved
+        row["allocated_bytes"] = allocated
         self.rows.append(row)
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
@@ -203,6 +205,7 @@ def report(args: argparse.Namespace, timer: Timer, optimizer: torch.optim.Optimi
         "state_bytes": stepped,
         "optimizer_bytes_per_s": round(stepped / (opt_ms / 1e3)) if opt_ms else None,
         "max_reserved_bytes": timer.rows[-1]["reserved_bytes"],
+        "max_allocated_bytes": timer.rows[-1]["allocated_bytes"],
         "last_loss": None if loss is None else round(loss.detach().item(), 4),
         "cpu_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),

@@ -172,6 +172,15 @@ def test_a_round_that_dies_where_the_run_before_it_did_at_the_same_peak_stops_th
     runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, lower)] * 3)
     record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
     assert len(runner.requests) == 2 and "at the same peak" in record["stopped"]
+    # Died "in the same place" at a clearly higher peak: it got further (the minimal GPT on the H200:
+    # its root's upcast at 5.78 GiB, then at 1/2 in the first backward at 7.67 GiB): halving goes on.
+    higher = _died_after_every_module("optimizer", None)
+    for s in higher.steps:
+        s.memory["peak_bytes"] = int(s.memory["peak_bytes"] * 1.3)
+    runner = FakeRunner([(exitcodes.OUT_OF_MEMORY, higher)] * 3)
+    record = reprofile(trace, summary, _request(tmp_path), runner, lines.append, max_rounds=3)
+    assert [r.config["accumulation_steps"] for r in runner.requests if r.config] == [2, 4]
+    assert "at the same peak" in record["stopped"]  # the second higher round: where the first died
 
 
 # ----------------------------------------------------------------------------------------- the loop

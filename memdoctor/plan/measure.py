@@ -42,6 +42,17 @@ AMP_FACTORS: tuple[tuple[re.Pattern[str], str, float, str], ...] = (
     (re.compile(r"MaxPool", re.I), "*", 1.0, "saves int64 indices; its input is counted by the ReLU before"),
     (re.compile(r"Softmax", re.I), "cuda", 1.0, "softmax and log_softmax autocast to fp32 on CUDA (not CPU)"),
     (re.compile(r"Dropout", re.I), "cuda", 1.0, "CUDA's dropout saves a bool mask (CPU's: the input dtype)"),
+    # Measured on the H200, GPT-2 small under the Trainer at b16 x 512, fp32 against bf16 autocast, both
+    # uncapped (BENCHMARKS.md, "GPT-2's bf16 what-if"): taken as 0.5, GPT-2's bf16 was predicted 11.90 GB
+    # against 13.32 measured, and the first-shot plan of bf16 alone ran out of memory under 8 GiB.
+    (
+        re.compile(r"^NewGELU", re.I),
+        "cuda",
+        0.88,
+        "HF's tanh GELU (GPT-2) takes pow(x, 3), on CUDA autocast's fp32 list: most of what it saves "
+        "stays fp32",
+    ),
+    (re.compile(r"^Conv1D$"), "cuda", 0.59, "HF's Conv1D (GPT-2's projections): addmm, measured 0.59"),
 )
 # Code sites of eager attention's temporaries in the peak ledger (seq x seq scores and probabilities).
 ATTENTION_SITE = re.compile(r"attention|attn|softmax|baddbmm|scaled_dot", re.I)
@@ -127,7 +138,23 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         has_optimizer=has_optimizer,
         optimizer_classes=tuple((summary.get("steps_found") or {}).get("optimizers") or ()),
         model=model,
+        as_is_oom_budget=_died_under(summary, complete),
     )
+
+
+def _died_under(summary: dict[str, Any], complete: bool) -> int | None:
+    """The memory the script as it is ran out of, when it did so in the step its peak comes from: the
+    budget it was profiled under, else the device's cap or size. Its planned peak is then a lower bound
+    (the peak was never reached), and the unchanged config must never be the plan: the minimal GPT on
+    the H200 died at 5.78 GiB of 8 in its logits upcast, and a plan of no levers "fit" at 7.25 GiB."""
+    if complete or summary.get("status") != "oom":
+        return None
+    device = summary.get("device") or {}
+    limits = (summary.get("budget_bytes"), device.get("memory_cap_bytes"), device.get("total_memory_bytes"))
+    for value in limits:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def planned_model(
