@@ -31,6 +31,7 @@ from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
 from memdoctor.launch.control import ChildControl, child_control
 from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
+from memdoctor.launch.rank_trace import BackendWatchingWriter
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 from memdoctor.patching import wrap_attr
 from memdoctor.trace import TraceWriter, event_record, make_header, run_settings
@@ -49,7 +50,9 @@ def main() -> int:
     from memdoctor.capture.session import ProfileSession
     from memdoctor.device import default_device
 
-    writer = TraceWriter(cfg["trace_path"], on_error=_write_failed)
+    # one rank of a multi-process job: the trace also says the process group's backend (rank_trace)
+    writer_class = BackendWatchingWriter if cfg.get("distributed") else TraceWriter
+    writer = writer_class(cfg["trace_path"], on_error=_write_failed)
     header_written: list[bool] = []
     sessions: list[Any] = []  # the session, once made: checkpointed saves are shown to its ledger
     installation = _install_config(cfg, writer, header_written, sessions)  # before CUDA starts
@@ -135,6 +138,8 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
         collectors=[c.name for c in collectors],
         applied_config=cfg.get("config"),
     )
+    if cfg.get("distributed"):  # one rank of a torch.distributed.run job (memdoctor.launch.rank_trace)
+        header["distributed"] = cfg["distributed"]
     return collectors, header
 
 
