@@ -85,8 +85,8 @@ def profile_ranks(request: Any, job: RankJob) -> RanksResult:
     cfg = {"mode": "profile", "out_dir": str(out_dir.resolve()), "request": _request_fields(request)}
     launched = launch(job, cfg, request.timeout_s)
     with deferred_stops():
-        entries = [_profile_entry(out_dir, rank, launched) for rank in _ranks(job, launched)]
-        result = _result(job, entries, launched)
+        entries = [profile_entry(out_dir, rank, launched) for rank in _ranks(job, launched)]
+        result = summarise(job, entries, launched)
         path = out_dir / RANKS_FILENAME
         atomic_write(path, json.dumps(result.as_dict(), indent=2, sort_keys=True) + "\n")
         result.written.append(path)
@@ -103,7 +103,7 @@ def run_ranks(
     cfg.update(script=script, module=module)
     launched = launch(job, cfg, None)
     entries = [_run_entry(rank, launched) for rank in _ranks(job, launched)]
-    return _result(job, entries, launched)
+    return summarise(job, entries, launched)
 
 
 def _request_fields(request: Any) -> dict[str, Any]:
@@ -123,7 +123,8 @@ def _rank_status(status: str, code: int) -> str:
     return _FAILED_STATUS.get(status, "exception")
 
 
-def _profile_entry(out_dir: Path, rank: int, launched: Launched) -> RankEntry:
+def profile_entry(out_dir: Path, rank: int, launched: Launched) -> RankEntry:
+    """Rank ``rank``'s entry: as it told, or from what it left in ``OUT/rank-K`` (``_left_behind``)."""
     line = launched.lines.get(rank)
     told = line.result if line is not None else None
     if told is None:
@@ -215,7 +216,8 @@ def _since(when: Any, started_unix: float) -> float | None:
     return round(max(0.0, float(when) - started_unix), 3)
 
 
-def _result(job: RankJob, entries: list[RankEntry], launched: Launched) -> RanksResult:
+def summarise(job: RankJob, entries: list[RankEntry], launched: Launched) -> RanksResult:
+    """The job's result: which rank failed first (see the module docstring), and its exit code."""
     failed = [e for e in entries if e.status != "ok"]
     result = RanksResult(exit_code=exitcodes.OK, world_size=job.world_size, entries=entries)
     if failed:
