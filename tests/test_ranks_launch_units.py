@@ -167,3 +167,15 @@ def test_a_rank_that_did_not_report_is_finished_from_its_partial_trace(tmp_path:
 
 def test_trace_of_a_one_process_run_has_no_distributed() -> None:
     assert distributed_of(Trace(header=make_header()).header) is None
+
+
+def test_a_job_memdoctor_stopped_has_no_failed_rank() -> None:
+    """Ctrl-C to memdoctor stops every rank: none of them failed, and the exit code is Ctrl-C's; a rank
+    that had failed before the stop is still the first failure."""
+    launched = Launched(started_unix=0.0, launcher_code=130, signals=[2], stopped_unix=10.0)
+    stopped = [_entry(0, "interrupted", 10.4, exitcodes.INTERRUPTED), _entry(1, "interrupted", 10.3, 130)]
+    result = rank_outcome.summarise(RankJob(2), stopped, launched)
+    assert result.failed_first is None and result.exit_code == exitcodes.INTERRUPTED
+    assert result.failed_first_why == "no rank failed: memdoctor received Ctrl-C and stopped them"
+    before = [_entry(0, "interrupted", 10.4, 130), _entry(1, "exception", 9.0, exitcodes.SCRIPT_FAILED)]
+    assert rank_outcome.summarise(RankJob(2), before, launched).failed_first == 1

@@ -17,6 +17,7 @@ cause. The command's exit code is that rank's, as ``memdoctor profile`` gives it
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,9 +218,13 @@ def _since(when: Any, started_unix: float) -> float | None:
 
 
 def summarise(job: RankJob, entries: list[RankEntry], launched: Launched) -> RanksResult:
-    """The job's result: which rank failed first (see the module docstring), and its exit code."""
-    failed = [e for e in entries if e.status != "ok"]
+    """The job's result: which rank failed first (see the module docstring), and its exit code. A
+    rank that memdoctor itself stopped (Ctrl-C, SIGTERM, a job past --timeout) did not fail."""
+    stopped_s = _since(launched.stopped_unix, launched.started_unix)
+    failed = [e for e in entries if e.status != "ok" and not _stopped_by_us(e, stopped_s)]
     result = RanksResult(exit_code=exitcodes.OK, world_size=job.world_size, entries=entries)
+    if stopped_s is not None and not failed:
+        result.exit_code, result.failed_first_why = _stop(launched)
     if failed:
         first = min(failed, key=lambda e: (e.ended_s is None, e.ended_s or 0.0, e.rank))
         result.failed_first = first.rank
@@ -233,6 +238,21 @@ def summarise(job: RankJob, entries: list[RankEntry], launched: Launched) -> Ran
     if launched.swept:
         result.notes.append(f"killed what was left of {launched.swept} process group(s) of the job")
     return result
+
+
+def _stopped_by_us(entry: RankEntry, stopped_s: float | None) -> bool:
+    if stopped_s is None or entry.status not in ("interrupted", "killed"):
+        return False
+    return entry.ended_s is None or entry.ended_s >= stopped_s
+
+
+def _stop(launched: Launched) -> tuple[int, str]:
+    """The exit code and the line of a job memdoctor stopped before any rank failed."""
+    if launched.signals:
+        signum = launched.signals[0]
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        return exitcodes.SIGNAL_BASE + signum, f"no rank failed: memdoctor received {name} and stopped them"
+    return exitcodes.TIMEOUT, "no rank failed: the job outlived --timeout and memdoctor stopped it"
 
 
 def merged_report(out_dir: Path, result: RanksResult) -> list[str]:
@@ -258,4 +278,6 @@ def outcome_lines(result: RanksResult) -> list[str]:
         lines.append(f"rank {e.rank}: {e.status}{when}: {e.message}{where}")
     if result.failed_first is not None:
         lines.append(f"failed first: {result.failed_first_why}")
+    elif result.failed_first_why:
+        lines.append(result.failed_first_why)
     return lines

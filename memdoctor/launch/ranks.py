@@ -92,6 +92,7 @@ class Launched:
     lines: dict[int, RankLine] = field(default_factory=dict)  # by global rank, those that said hello
     signals: list[int] = field(default_factory=list)  # received by memdoctor while the job ran
     forced: bool = False  # the job outlived --timeout and was stopped from here
+    stopped_unix: float | None = None  # when memdoctor stopped the job (a signal, or ``forced``)
     swept: int = 0  # process groups still alive at the end, killed
 
 
@@ -152,12 +153,14 @@ def _wait(
         now = time.monotonic()
         if len(received) > passed_on:
             if passed_on == 0:
+                launched.stopped_unix = launched.stopped_unix or time.time()
                 server.broadcast({"signal": signal.Signals(received[0]).name})
             else:  # a second stop: at once
                 _kill_all(proc.pid, server)
             passed_on = len(received)
         if deadline is not None and now >= deadline and forced_at is None:
             launched.forced, forced_at = True, now
+            launched.stopped_unix = launched.stopped_unix or time.time()
             server.broadcast({"signal": "SIGTERM"})
         if forced_at is not None and now >= forced_at + FORCE_KILL_S:
             _kill_all(proc.pid, server)
