@@ -122,6 +122,15 @@ def test_one_rank_raising_is_the_first_failure(tmp_path: Path) -> None:
     assert "failed first: rank 1" in proc.stderr
 
 
+def test_one_rank_out_of_memory(tmp_path: Path) -> None:
+    """An out-of-memory error on one rank: that rank is ``oom`` and failed first; exit code 6."""
+    args = ("--sync", "allreduce", "--fail-rank", "0", "--fail-step", "1", "--fail", "oom")
+    proc, ranks, out = profile_job(tmp_path, "--steps", "3", script_args=args)
+    assert proc.returncode == exitcodes.OUT_OF_MEMORY, proc.stderr[-3000:]
+    assert ranks["failed_first"] == 0 and ranks["ranks"][0]["status"] == "oom"
+    assert load_trace(out / ranks["ranks"][1]["trace"]).header["distributed"]["rank"] == 1
+
+
 def test_timeout_with_a_hung_rank(tmp_path: Path) -> None:
     """Rank 1 hangs at its first step, rank 0 then waits in the all-reduce: --timeout stops both, both
     traces are readable, the hung rank is named first, and no process is left."""

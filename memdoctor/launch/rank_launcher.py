@@ -29,9 +29,13 @@ def main(argv: list[str]) -> int:
     set_parent_death_signal(signal.SIGTERM)
     previous = os.environ.get("LOGLEVEL")
     os.environ["LOGLEVEL"] = "ERROR"
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        from torch.distributed import run as torchrun
+        from torch.distributed.elastic.multiprocessing import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    except ImportError as exc:  # a torch built without torch.distributed
+        print(f"memdoctor: error: this torch has no torch.distributed.run ({exc})", file=sys.stderr)
+        return LAUNCH_FAILED
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     # its line per failed worker and per worker it stops: the ranks' own lines say it, and better

@@ -233,6 +233,9 @@ def summarise(job: RankJob, entries: list[RankEntry], launched: Launched) -> Ran
         for e in failed:
             if e is not first:
                 e.message += f" (after rank {first.rank} had failed)"
+    if not launched.lines and launched.launcher_code != 0:
+        code = launched.launcher_code
+        result.notes.append(f"torch.distributed.run ended (code {code}) before any rank started (above: why)")
     if launched.forced:
         result.notes.append("the job outlived --timeout and was stopped by memdoctor")
     if launched.swept:
