@@ -3,6 +3,7 @@ rank's identity and header field, and which rank failed first."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,9 @@ def test_a_rank_that_did_not_report_is_finished_from_its_partial_trace(tmp_path:
     assert (folder / "summary.json").is_file()
     nothing = rank_outcome.profile_entry(tmp_path, 0, launched)
     assert nothing.trace is None and "left no trace" in nothing.message
+    later = Launched(started_unix=time.time() + 60, launcher_code=1)  # rank-1/ is an older run's (--force)
+    stale = rank_outcome.profile_entry(tmp_path, 1, later)
+    assert stale.trace is None and "left no trace" in stale.message
 
 
 def test_trace_of_a_one_process_run_has_no_distributed() -> None:

@@ -25,11 +25,13 @@ from typing import Any
 from memdoctor import exitcodes
 from memdoctor.errors import MemdoctorError, TraceError
 from memdoctor.launch.childrun import deferred_stops
+from memdoctor.launch.rank_trace import rank_header
 from memdoctor.launch.rank_worker import rank_folder
 from memdoctor.launch.ranks import Launched, RankJob, launch
 from memdoctor.launch.saving import save_outputs
 from memdoctor.outputs import atomic_write
 from memdoctor.trace import PARTIAL_SUFFIX, TRACE_FILENAME, load_trace, make_end
+from memdoctor.trace.records import distributed_of
 
 RANKS_FILENAME = "ranks.json"
 STATUSES = ("ok", "oom", "exception", "timeout", "interrupted", "killed")
@@ -129,7 +131,7 @@ def profile_entry(out_dir: Path, rank: int, launched: Launched) -> RankEntry:
     line = launched.lines.get(rank)
     told = line.result if line is not None else None
     if told is None:
-        entry = _left_behind(out_dir, rank)
+        entry = _left_behind(out_dir, rank, launched.started_unix)
         ended = line.closed_unix if line is not None else None
     else:
         code = int(told.get("exit_code", exitcodes.SCRIPT_FAILED))
@@ -139,7 +141,7 @@ def profile_entry(out_dir: Path, rank: int, launched: Launched) -> RankEntry:
             exit_code=told.get("script_exit_code"),
             signal=told.get("signal"),
             message=str(told.get("message", "")),
-            trace=_trace_of(out_dir, rank),
+            trace=_trace_of(out_dir, rank, launched.started_unix),
             ended_s=None,
             end_status=told.get("status"),
             memdoctor_exit_code=code,
@@ -171,15 +173,23 @@ def _run_entry(rank: int, launched: Launched) -> RankEntry:
     )
 
 
-def _trace_of(out_dir: Path, rank: int) -> str | None:
+def _trace_of(out_dir: Path, rank: int, since_unix: float) -> str | None:
     folder = rank_folder(out_dir, rank)
     for name in (TRACE_FILENAME, TRACE_FILENAME + PARTIAL_SUFFIX):
-        if (folder / name).is_file():
+        if _written_since(folder / name, since_unix):
             return f"{folder.name}/{name}"
     return None
 
 
-def _left_behind(out_dir: Path, rank: int) -> RankEntry:
+def _written_since(path: Path, since_unix: float) -> bool:
+    """``path`` is a file this job wrote, not one a run before it left (``--force`` into an old folder)."""
+    try:
+        return path.is_file() and path.stat().st_mtime >= since_unix - 1.0
+    except OSError:
+        return False
+
+
+def _left_behind(out_dir: Path, rank: int, started_unix: float) -> RankEntry:
     """A rank that did not report: its final trace if it wrote one, else its partial trace finished
     here (an ``end`` saying it was killed, the report and summary written), else nothing."""
     folder = rank_folder(out_dir, rank)
@@ -187,8 +197,11 @@ def _left_behind(out_dir: Path, rank: int) -> RankEntry:
     entry = RankEntry(rank, "killed", None, None, "", None, None, end_status="killed")
     entry.memdoctor_exit_code = exitcodes.SCRIPT_FAILED
     try:
-        if partial.is_file():
+        if _written_since(partial, started_unix):
             trace = load_trace(partial, salvage=True)
+            rank_identity = distributed_of(trace.header)
+            if rank_identity is not None:  # its supervisor would have named the backend
+                trace.header["distributed"] = rank_header(trace, rank_identity)
             steps = sum(1 for s in trace.steps if s.complete)
             entry.message = f"the rank was killed after {steps} complete steps, before it finished its trace"
             trace.end = make_end(
@@ -199,15 +212,18 @@ def _left_behind(out_dir: Path, rank: int) -> RankEntry:
                 memdoctor_exit_code=exitcodes.SCRIPT_FAILED,
             )
             save_outputs(trace, folder, partial)
-        elif final.is_file():
+        elif _written_since(final, started_unix):  # written, then killed before it could say so
             end = load_trace(final).end or {}
+            entry.end_status = str(end.get("status"))
+            entry.memdoctor_exit_code = int(end.get("memdoctor_exit_code") or exitcodes.SCRIPT_FAILED)
+            entry.status = _rank_status(entry.end_status, entry.memdoctor_exit_code)
             entry.message = str(end.get("message") or "the rank ended without reporting")
             entry.exit_code, entry.signal = end.get("exit_code"), end.get("signal")
         else:
             entry.message = "the rank left no trace: it ended before its script started"
     except (TraceError, MemdoctorError, OSError) as exc:
         entry.message = f"the rank was killed and its trace cannot be read ({' '.join(str(exc).split())})"
-    entry.trace = _trace_of(out_dir, rank)
+    entry.trace = _trace_of(out_dir, rank, started_unix)
     return entry
 
 
