@@ -45,6 +45,10 @@ def run_command(ns: argparse.Namespace) -> int:
     from memdoctor.launch.run import describe, run_script  # the launch layer; imported late (--help)
 
     say(describe(config, ns.config))
+    processes = 1 if job is None else job.world_size
+    if config.gpus > 1 and processes != config.gpus:
+        started = f"{processes} process" + ("" if processes == 1 else "es")
+        say(f"note: the plan is for gpus: {config.gpus}; this run starts {started} (see --nproc-per-node)")
     script = None if ns.module else ns.script
     if job is None:
         return int(run_script(config, script, ns.module, list(ns.script_args)))
