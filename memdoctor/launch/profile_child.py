@@ -48,7 +48,6 @@ def main() -> int:
     _ctrl_c_raises()
     _control = child_control()
     from memdoctor.capture.session import ProfileSession
-    from memdoctor.device import default_device
 
     # one rank of a multi-process job: the trace also says the process group's backend (rank_trace)
     writer_class = BackendWatchingWriter if cfg.get("distributed") else TraceWriter
@@ -56,7 +55,7 @@ def main() -> int:
     header_written: list[bool] = []
     sessions: list[Any] = []  # the session, once made: checkpointed saves are shown to its ledger
     installation = _install_config(cfg, writer, header_written, sessions)  # before CUDA starts
-    device = default_device()
+    device = _device(cfg)
     collectors, header = start_run(cfg, device)
     writer.write(header)
     header_written.append(True)
@@ -85,6 +84,21 @@ def main() -> int:
     code = _run({**cfg, "argv_extra": extra}, session, writer)
     writer.close()
     return code
+
+
+def _device(cfg: dict[str, Any]) -> Any:
+    """The device to measure: the script's. A rank of a job on GPUs trains on ``cuda:LOCAL_RANK`` by
+    torchrun's convention (each rank's ``set_device(local_rank)``), not on the current device, which is
+    0 in every rank until the script sets it; with one visible GPU per rank, on that one."""
+    from memdoctor.device import CudaDevice, default_device
+
+    device = default_device()
+    rank = cfg.get("distributed")
+    if isinstance(device, CudaDevice) and rank:
+        import torch
+
+        return CudaDevice(index=int(rank["local_rank"]) % max(1, torch.cuda.device_count()))
+    return device
 
 
 def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool], sessions: list[Any]) -> Any:
