@@ -49,9 +49,9 @@ def main() -> int:
     with _noted_stops() as stops:
         try:
             result = _before_start(stops) or _supervise(cfg, rank)
-        except KeyboardInterrupt:  # Ctrl-C before the script started: nothing measured
+        except KeyboardInterrupt:  # Ctrl-C outside the script's run (the supervisor handles it within)
             result = {"status": "interrupted", "exit_code": exitcodes.INTERRUPTED}
-            result["message"] = "interrupted (Ctrl-C) before the script started"
+            result["message"] = "interrupted (Ctrl-C) while the rank's supervisor started or saved"
     result = {"rank": rank["rank"], "local_rank": rank["local_rank"], **result}
     result.setdefault("ended_unix", time.time())
     if link is not None:
