@@ -138,3 +138,73 @@ def trace_file(path: Path) -> Path:
     if path.is_dir() and (path / TRACE_FILENAME).is_file():
         return path / TRACE_FILENAME
     return path
+
+
+# ------------------------------------------------------------------------------- multi-process jobs
+
+
+def add_launch_options(p: argparse.ArgumentParser) -> None:
+    """``--nproc-per-node N`` and the rendezvous options, passed to ``torch.distributed.run``."""
+    group = p.add_argument_group("multi-process jobs (torch.distributed.run; docs/distributed.md)")
+    group.add_argument(
+        "--nproc-per-node",
+        metavar="N",
+        help="start N processes on this node through torch.distributed.run, each a rank with torchrun's "
+        "RANK, LOCAL_RANK and WORLD_SIZE (a script written for torchrun runs unedited); each rank is run "
+        "as one process would be",
+    )
+    group.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes in the job (default: 1)")
+    group.add_argument("--node-rank", metavar="K", help="this node's rank, with --nnodes (static rendezvous)")
+    group.add_argument("--master-addr", metavar="HOST", help="the rendezvous host (rank 0's node)")
+    group.add_argument("--master-port", metavar="PORT", help="the rendezvous port on --master-addr")
+
+
+_LAUNCH_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+
+def rank_job(ns: argparse.Namespace) -> Any:
+    """The job the options ask for (``memdoctor.launch.ranks.RankJob``), or None for one process;
+    a usage error (one line, exit 2) for a value torchrun would refuse."""
+    given = [name for name in _LAUNCH_OPTIONS if getattr(ns, name, None) is not None]
+    if ns.nproc_per_node is None:
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(f"{flag} is for a multi-process job: give --nproc-per-node N too")
+        return None
+    from memdoctor.launch.ranks import RankJob
+
+    return RankJob(
+        nproc_per_node=_whole(ns.nproc_per_node, "--nproc-per-node", 1),
+        nnodes=_nodes(ns.nnodes),
+        node_rank=None if ns.node_rank is None else _whole(ns.node_rank, "--node-rank", 0),
+        master_addr=_host(ns.master_addr),
+        master_port=None if ns.master_port is None else _port(ns.master_port),
+    )
+
+
+def _whole(text: str, flag: str, minimum: int) -> int:
+    if not text.strip().isdigit() or int(text) < minimum:
+        raise UsageError(f"{flag} takes a whole number of at least {minimum}, not {text!r}")
+    return int(text)
+
+
+def _nodes(text: str | None) -> str:
+    if text is None:
+        return "1"
+    low, sep, high = text.partition(":")
+    parts = [low, high] if sep else [low]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts) or (sep and int(low) > int(high)):
+        raise UsageError(f"--nnodes takes N or MIN:MAX (whole numbers of at least 1), not {text!r}")
+    return text
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise UsageError(f"--master-port takes a port number from 1 to 65535, not {text!r}")
+    return int(text)
+
+
+def _host(text: str | None) -> str | None:
+    if text is not None and (not text.strip() or any(c.isspace() for c in text)):
+        raise UsageError(f"--master-addr takes a host name or address, not {text!r}")
+    return text

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from memdoctor import exitcodes
-from memdoctor.cli.arguments import PROG, Command, arg_type, count, seconds
+from memdoctor.cli.arguments import PROG, Command, add_launch_options, arg_type, count, rank_job, seconds
 from memdoctor.cli.scripts import add_script_arguments, check_target
 from memdoctor.cli.terminal import BUG_LINE, one_line, print_summary, print_written, say
 from memdoctor.errors import UsageError
@@ -23,6 +23,7 @@ examples:
   {PROG} profile --budget 8GiB -o bert-report train.py --batch-size 32
   {PROG} profile --gpu rtx2070 train.py --batch-size 32
   {PROG} profile -m mypackage.train --epochs 1
+  {PROG} profile --nproc-per-node 2 train_ddp.py -- --batch-size 32    # every rank, OUT/rank-K/
 
 memdoctor's own options go before the script, or between the script and --.
 The script's arguments follow the script, or the -- when there is one.
@@ -36,6 +37,7 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     add_script_arguments(p, _PROFILE_USAGE, _PROFILE_EPILOG)
     _add_run_options(p)
     _add_measure_options(p)
+    add_launch_options(p)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -149,22 +151,45 @@ def _add_measure_options(p: argparse.ArgumentParser) -> None:
 
 def profile_command(ns: argparse.Namespace) -> int:
     check_target(ns, "profile")
+    job = rank_job(ns)  # --nproc-per-node: a torch.distributed.run job; None for one process
+    if job is not None and ns.verify:
+        raise UsageError("--verify does not run with --nproc-per-node yet: profile the job, verify a plan")
     ns.budget = card_budget(ns.gpu, ns.budget)  # an unknown card stops here, before any folder is made
     _warn_about_passed_options(ns)
     out = profile_output_dir(ns.output, force=ns.force)
     try:  # the folder is this run's until its last file is written (memdoctor.outputs.FolderClaim)
+        if job is not None:
+            return _profile_ranks(ns, job, out.path, out.note)
         return _profile(ns, out.path, out.note)
     finally:
         out.release()
 
 
-def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
+def _profile_ranks(ns: argparse.Namespace, job: Any, out_dir: Path, note: str | None) -> int:
+    """Every rank profiled as one process is, each into OUT/rank-K; then ranks.json, the merged
+    report, and one line per rank (``memdoctor.launch.rank_outcome``)."""
     if note:
         say(note)
-    from memdoctor.launch import progress, supervisor  # the launch layer; imported late (--help stays light)
-    from memdoctor.launch.rounds import reprofile_profile, verify_profile
+    from memdoctor.launch.rank_outcome import outcome_lines, profile_ranks  # the launch layer, late
 
-    request = supervisor.ProfileRequest(
+    request = _request(ns, out_dir, progress=False)
+    target = f"-m {ns.module}" if ns.module is not None else ns.script
+    say(
+        f"profiling {target} on {job.nproc_per_node} processes per node (torch.distributed.run): "
+        f"{ns.warmup} warm-up + {ns.steps} steps each, writing rank-K/ folders to {display_path(out_dir)}"
+    )
+    result = profile_ranks(request, job)
+    for line in [*outcome_lines(result), *result.notes]:
+        say(line)
+    print_written(result.written)
+    return int(result.exit_code)
+
+
+def _request(ns: argparse.Namespace, out_dir: Path, *, progress: bool) -> Any:
+    """The one-process request the options describe (a rank's is made from it)."""
+    from memdoctor.launch import supervisor  # the launch layer; imported late (--help stays light)
+
+    return supervisor.ProfileRequest(
         script=None if ns.module is not None else ns.script,
         module=ns.module,
         args=list(ns.script_args),
@@ -177,9 +202,18 @@ def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
         time_depth=ns.time_depth,
         detail=ns.detail,
         collect=ns.collect,
-        progress=progress.wanted(),
+        progress=progress,
         config=None if ns.config is None else _config_mapping(ns.config),
     )
+
+
+def _profile(ns: argparse.Namespace, out_dir: Path, note: str | None) -> int:
+    if note:
+        say(note)
+    from memdoctor.launch import progress, supervisor  # the launch layer; imported late (--help stays light)
+    from memdoctor.launch.rounds import reprofile_profile, verify_profile
+
+    request = _request(ns, out_dir, progress=progress.wanted())
     target = f"-m {ns.module}" if ns.module is not None else ns.script
     say(f"profiling {target}: {ns.warmup} warm-up + {ns.steps} steps, writing to {display_path(out_dir)}")
     result = supervisor.run_profile(request)
@@ -281,6 +315,11 @@ _MEMDOCTOR_PROFILE_OPTIONS = (
     "--verify-rounds",
     "--reprofile",
     "--config",
+    "--nproc-per-node",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
 )
 
 

@@ -68,10 +68,11 @@ def receive_all(sock: socket.socket) -> list[dict[str, Any]]:
         if not chunk:
             break
         data += chunk
-    return _messages(data)
+    return messages(data)
 
 
-def _messages(data: bytes) -> list[dict[str, Any]]:
+def messages(data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects in ``data``, one a line (a line that is not one is skipped)."""
     out = []
     for line in data.splitlines():
         with contextlib.suppress(ValueError):
@@ -136,7 +137,7 @@ class ChildControl:
                 return
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
-            for msg in _messages(b"\n".join(lines)):
+            for msg in messages(b"\n".join(lines)):
                 if "stop" in msg and self.reason is None:
                     self.reason = str(msg["stop"])
                     self._interrupt()

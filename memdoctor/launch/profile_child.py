@@ -31,6 +31,7 @@ from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
 from memdoctor.launch.control import ChildControl, child_control
 from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
+from memdoctor.launch.rank_trace import BackendWatchingWriter
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 from memdoctor.patching import wrap_attr
 from memdoctor.trace import TraceWriter, event_record, make_header, run_settings
@@ -47,13 +48,14 @@ def main() -> int:
     _ctrl_c_raises()
     _control = child_control()
     from memdoctor.capture.session import ProfileSession
-    from memdoctor.device import default_device
 
-    writer = TraceWriter(cfg["trace_path"], on_error=_write_failed)
+    # one rank of a multi-process job: the trace also says the process group's backend (rank_trace)
+    writer_class = BackendWatchingWriter if cfg.get("distributed") else TraceWriter
+    writer = writer_class(cfg["trace_path"], on_error=_write_failed)
     header_written: list[bool] = []
     sessions: list[Any] = []  # the session, once made: checkpointed saves are shown to its ledger
     installation = _install_config(cfg, writer, header_written, sessions)  # before CUDA starts
-    device = default_device()
+    device = _device(cfg)
     collectors, header = start_run(cfg, device)
     writer.write(header)
     header_written.append(True)
@@ -82,6 +84,21 @@ def main() -> int:
     code = _run({**cfg, "argv_extra": extra}, session, writer)
     writer.close()
     return code
+
+
+def _device(cfg: dict[str, Any]) -> Any:
+    """The device to measure: the script's. A rank of a job on GPUs trains on ``cuda:LOCAL_RANK`` by
+    torchrun's convention (each rank's ``set_device(local_rank)``), not on the current device, which is
+    0 in every rank until the script sets it; with one visible GPU per rank, on that one."""
+    from memdoctor.device import CudaDevice, default_device
+
+    device = default_device()
+    rank = cfg.get("distributed")
+    if isinstance(device, CudaDevice) and rank:
+        import torch
+
+        return CudaDevice(index=int(rank["local_rank"]) % max(1, torch.cuda.device_count()))
+    return device
 
 
 def _install_config(cfg: dict[str, Any], writer: Any, header_written: list[bool], sessions: list[Any]) -> Any:
@@ -135,6 +152,8 @@ def start_run(cfg: dict[str, Any], device: Any) -> tuple[list[Any], dict[str, An
         collectors=[c.name for c in collectors],
         applied_config=cfg.get("config"),
     )
+    if cfg.get("distributed"):  # one rank of a torch.distributed.run job (memdoctor.launch.rank_trace)
+        header["distributed"] = cfg["distributed"]
     return collectors, header
 
 

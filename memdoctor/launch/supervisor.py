@@ -24,6 +24,7 @@ from memdoctor.capture.collectors import parse_names
 from memdoctor.errors import TraceError
 from memdoctor.launch.childrun import INTERRUPT_KILL_S, ChildOutcome, deferred_stops, run_child
 from memdoctor.launch.profile_child import ENV_VAR
+from memdoctor.launch.rank_trace import rank_header
 from memdoctor.launch.saving import failure_line, save_outputs
 from memdoctor.outputs import display_path
 from memdoctor.trace import (
@@ -59,6 +60,9 @@ class ProfileRequest:
     # with ``config``: count what its checkpointed modules save as if they were not checkpointed (the
     # checkpoint-all re-profile, ``memdoctor.launch.reprofile``; ``memdoctor.levers.apply.SeeThrough``)
     see_checkpointed: bool = False
+    # one rank of a ``torch.distributed.run`` job (``memdoctor.launch.rank_worker``): the header's
+    # ``distributed`` (``memdoctor.launch.rank_trace.identity``), its backend filled in from the trace
+    distributed: dict[str, Any] | None = None
 
 
 @dataclass
@@ -73,6 +77,10 @@ class ProfileResult:
     written: list[Path] = field(default_factory=list)
     output_error: str | None = None  # one line: the outputs that could not be written, and what was kept
     kept: Path | None = None  # where the measurements are (the trace, or the partial trace it left)
+    end: dict[str, Any] | None = None  # the trace's end record: the script process's exit code, signal
+    # when the script ended (Unix seconds): its fault, stop or exit event, else when its process exited;
+    # what orders the ranks of a job by who failed first (memdoctor.launch.rank_outcome)
+    ended_unix: float | None = None
 
 
 # What the verify and re-profile rounds are given: a way to profile once more, and one to print a note.
@@ -86,7 +94,10 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
     partial = trace_path.with_name(trace_path.name + PARTIAL_SUFFIX)
     partial.unlink(missing_ok=True)
     outcome = _run_child(req, partial)
+    exited_unix = time.time()
     trace = _salvage(partial, req)
+    if req.distributed is not None:
+        trace.header["distributed"] = rank_header(trace, req.distributed)
     status, code, message = classify(trace, outcome)
     trace.end = make_end(
         status=status,
@@ -118,7 +129,16 @@ def run_profile(req: ProfileRequest) -> ProfileResult:
         written=list(paths.values()),
         output_error=failure,
         kept=saved.kept,
+        end=trace.end,
+        ended_unix=_ended_unix(trace, exited_unix),
     )
+
+
+def _ended_unix(trace: Trace, exited_unix: float) -> float:
+    """When the script ended: the time of the event that ended it (a rank blocked in a collective
+    records its own fault only once the rank that failed has gone), else when its process exited."""
+    t = (_terminal_event(trace) or {}).get("t_unix")
+    return float(t) if isinstance(t, (int, float)) and 0 < t <= exited_unix else exited_unix
 
 
 def child_command() -> list[str]:
@@ -140,6 +160,7 @@ def _child_env(req: ProfileRequest, partial: Path) -> dict[str, str]:
         "collect": req.collect if isinstance(req.collect, list) else parse_names(req.collect),
         "config": req.config,
         "see_checkpointed": req.see_checkpointed,
+        "distributed": req.distributed,
         "command": {
             "argv": redact_argv(req.args),
             "script": req.script,
@@ -209,18 +230,19 @@ def classify(trace: Trace, outcome: ChildOutcome) -> tuple[str, int, str]:
             f"the trace could not be written ({reason}) after {steps} complete steps: recording stopped "
             "and the script was stopped",
         )
+    if outcome.timed_out:  # first: a signal that came while the timeout stopped the script came after it
+        at = _where(last) if kind == "interrupted" else ""  # where it hung: a rank of a job, in a collective
+        return (
+            "timeout",
+            exitcodes.TIMEOUT,
+            f"--timeout expired after {steps} complete steps; the script was stopped{at}",
+        )
     if outcome.stop_signal is not None and kind != "stopped":
         name = signal.Signals(outcome.stop_signal).name
         message = f"memdoctor received {name} after {steps} complete steps; the script was stopped"
         if outcome.escalated == "SIGKILL":
             message += " (it did not stop in time and was killed)"
         return "stopped", exitcodes.SIGNAL_BASE + outcome.stop_signal, message
-    if outcome.timed_out:
-        return (
-            "timeout",
-            exitcodes.TIMEOUT,
-            f"--timeout expired after {steps} complete steps; the script was stopped",
-        )
     if kind == "stopped":
         return (
             "completed",
@@ -279,14 +301,19 @@ def _died(returncode: int, steps: int) -> tuple[str, int, str]:
 
 
 def _where_message(what: str, ev: dict[str, Any], steps: int) -> str:
-    parts = [f"the script {what}"]
+    return f"the script {what}{_where(ev)} ({steps} complete steps recorded)"
+
+
+def _where(ev: dict[str, Any]) -> str:
+    """`` at step K in PHASE of MODULE`` from an event's where (what of it is known), or ``""``."""
+    parts = []
     if ev.get("step") is not None:
         parts.append(f"at step {ev['step']}")
     if ev.get("phase") and ev["phase"] != "other":
         parts.append(f"in {ev['phase']}")
     if ev.get("module_name"):
         parts.append(f"of {ev['module_name']}")
-    return " ".join(parts) + f" ({steps} complete steps recorded)"
+    return "".join(f" {p}" for p in parts)
 
 
 _TERMINAL_KINDS = frozenset(

@@ -268,6 +268,42 @@ def run_settings(warmup: int, steps: int, budget_bytes: int | None, gpu: str | N
     return out
 
 
+def distributed_info(
+    *, rank: int, world_size: int, local_rank: int, backend: str | None = None, master: str | None = None
+) -> dict[str, Any]:
+    """The header's ``distributed``: which rank of a multi-process job (``torch.distributed.run``) wrote
+    the trace. ``backend`` is the default process group's (``gloo``, ``nccl``) once the script had made
+    it, else None; ``master`` is ``host:port`` of the rendezvous. Absent in a one-process trace, and an
+    optional header field of format 1 (readers that do not know it ignore it)."""
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": local_rank,
+        "backend": backend,
+        "master": master,
+    }
+
+
+def distributed_of(header: dict[str, Any]) -> dict[str, Any] | None:
+    """The header's ``distributed``, or None for a one-process trace (or one whose field is malformed:
+    rank and world size must be whole numbers with rank < world size)."""
+    value = header.get("distributed")
+    if not isinstance(value, dict):
+        return None
+    rank, world = value.get("rank"), value.get("world_size")
+    if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
+        return None
+    local = value.get("local_rank")
+    backend, master = value.get("backend"), value.get("master")
+    return distributed_info(
+        rank=rank,
+        world_size=world,
+        local_rank=local if type(local) is int and local >= 0 else rank,
+        backend=backend if isinstance(backend, str) else None,
+        master=master if isinstance(master, str) else None,
+    )
+
+
 def make_end(
     *,
     status: str | None,
