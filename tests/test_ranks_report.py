@@ -261,6 +261,8 @@ def test_a_rank_with_no_folder_is_a_row_that_says_so(out: Path) -> None:
     assert merged["ranks"][2]["status"] == "unknown"
     assert merged["ranks"][2]["problems"] == ["nothing to read: no rank-2 folder"]
     assert merged["all_fit"] is None  # rank 2 left no figure
+    html = write_merged(out)["report"].read_text()
+    assert "rank 2 left no figure to tell" in html and "no report" in html
 
 
 def test_a_cut_trace_is_read_up_to_its_last_record(out: Path) -> None:
@@ -394,3 +396,11 @@ def test_launch_record_keeps_an_absent_failed_first_apart_from_none() -> None:
     base = {"world_size": 1, "ranks": [{"rank": 0, "status": "ok"}]}
     assert "failed_first" not in analysis.launch_record(base)
     assert analysis.launch_record({**base, "failed_first": None})["failed_first"] is None
+
+
+def test_check_on_a_merged_folder_guards_the_largest_rank(out: Path) -> None:
+    _launch(out)
+    write_merged(out)
+    largest = _rank_summary(out, 1)["peak_memory_bytes"]
+    assert main(["check", str(out), "--max-peak", str(largest)]) == exitcodes.OK
+    assert main(["check", str(out), "--max-peak", str(largest - 1)]) == exitcodes.LIMIT_EXCEEDED

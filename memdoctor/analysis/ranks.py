@@ -261,12 +261,13 @@ def failed_first(rows: list[dict[str, Any]], launch: dict[str, Any] | None) -> t
     if not failed:
         return None, None
 
-    def ended(row: dict[str, Any]) -> tuple[float, int]:
-        entry = ((launch or {}).get("ranks") or {}).get(row["rank"]) or {}
-        when = entry.get("ended_s") if _number(entry.get("ended_s")) else row["ended_unix"]
-        return (float(when) if _number(when) else math.inf), row["rank"]
-
-    row = min(failed, key=ended)
+    # ranks.json's ended_s (seconds since the launch) when it gives one for every failed rank, else
+    # each trace's own end time: the two clocks are not mixed.
+    entries = (launch or {}).get("ranks") or {}
+    launched = [(entries.get(r["rank"]) or {}).get("ended_s") for r in failed]
+    times = launched if all(_number(t) for t in launched) else [r["ended_unix"] for r in failed]
+    order = [(float(t) if _number(t) else math.inf, r["rank"]) for t, r in zip(times, failed, strict=True)]
+    row = _row(rows, min(order)[1])
     return row["rank"], _why(row)
 
 
@@ -293,7 +294,9 @@ def headline(merged: dict[str, Any]) -> str:
     if merged["failed_first"] is not None:
         parts.append(f"Rank {merged['failed_first']} of {n} failed first ({merged['failed_first_why']})")
     else:
-        parts.append(f"{n} rank{'s' if n != 1 else ''}, none failed")
+        unknown = [r["rank"] for r in merged["ranks"] if r["status"] == UNKNOWN]
+        known = f" (how rank{'s' if len(unknown) > 1 else ''} {_listed(unknown)} ended is unknown)"
+        parts.append(f"{n} rank{'s' if n != 1 else ''}, none failed" + (known if unknown else ""))
     if merged["largest_peak_rank"] is not None and merged["peak_memory_bytes"] is not None:
         parts.append(
             f"largest peak {format_bytes(merged['peak_memory_bytes'])} on rank {merged['largest_peak_rank']}"
@@ -304,6 +307,10 @@ def headline(merged: dict[str, Any]) -> str:
             f"slowest rank {time['max_rank']} at {time['max_over_min']:.2f}x the fastest's step time"
         )
     return "; ".join(parts) + "."
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _row(rows: list[dict[str, Any]], rank: int) -> dict[str, Any]:
