@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ def report_ranks(ns: argparse.Namespace) -> int:
         if out.note:
             say(out.note)
         if ns.each_rank:
-            rerender_ranks(rank_folders(folder), out.path, force=ns.force)
+            rerender_ranks(folder, rank_folders(folder), out.path, force=ns.force)
         paths = write_merged(folder, out.path)
     finally:
         out.release()
@@ -118,24 +119,24 @@ def report_ranks(ns: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
-def rerender_ranks(folders: dict[int, Path], dest: Path, *, force: bool) -> None:
-    """Each rank's report.html and summary.json from its trace, into ``dest/<its folder's name>``; a
-    rank whose trace cannot be read is said and skipped (the merged report names it too). A folder that
-    has a report already is overwritten only with ``--force``: checked for every rank before any is
-    written."""
+def rerender_ranks(source: Path, folders: dict[int, Path], dest: Path, *, force: bool) -> None:
+    """Each rank's report.html and summary.json from its trace, into its folder's place under ``dest``
+    (``dest/rank-K``, where the merged report looks for it first); a rank whose trace cannot be read is
+    said and skipped (the merged report names it too). A folder that has a report already is
+    overwritten only with ``--force``: checked for every rank before any is written."""
     from memdoctor.report import write_report
     from memdoctor.trace import load_trace, paused_gc
 
-    targets = {rank: dest / f.name for rank, f in folders.items()}
+    targets = {rank: dest / os.path.relpath(f, source) for rank, f in folders.items()}
     held = [t for t in targets.values() if not force and any((t / n).exists() for n in REPORT_FILES)]
     if held:
         raise UsageError(
             f"{held[0]}: already has a report; pass --force to overwrite it, or -o DIR to write elsewhere"
         )
-    for rank, source in sorted(folders.items()):
+    for rank, path in sorted(folders.items()):
         try:
             with paused_gc():
-                trace = load_trace(source / TRACE_FILENAME)
+                trace = load_trace(path / TRACE_FILENAME)
                 write_report(trace, ensure_writable(targets[rank]))
         except MemdoctorError as exc:
             say(f"rank {rank}: not re-rendered: {one_line(exc)}")
