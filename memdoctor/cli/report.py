@@ -1,19 +1,31 @@
-"""``memdoctor report``: re-render report.html and summary.json from a trace file, on any machine."""
+"""``memdoctor report``: re-render report.html and summary.json from a trace file, on any machine; on a
+multi-rank profile's folder (``rank-K/`` folders, ``ranks.json``), the merged report across its ranks."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 from memdoctor import exitcodes
 from memdoctor.cli.arguments import Command, trace_file
-from memdoctor.cli.terminal import print_summary, print_written, say
-from memdoctor.errors import OutputError
-from memdoctor.outputs import report_output_dir
+from memdoctor.cli.terminal import one_line, print_summary, print_written, say
+from memdoctor.errors import MemdoctorError, OutputError, UsageError
+from memdoctor.outputs import REPORT_FILES, ensure_writable, report_output_dir
+from memdoctor.trace import TRACE_FILENAME
+from memdoctor.units import format_bytes
 
 
 def configure_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", type=Path, metavar="TRACE", help="a trace.jsonl.gz, or the folder holding one")
+    p.add_argument(
+        "trace",
+        type=Path,
+        metavar="TRACE",
+        help="a trace.jsonl.gz, the folder holding one, or a multi-rank profile's folder (its rank-K/ "
+        "folders are merged into one report)",
+    )
     p.add_argument(
         "-o",
         "--output",
@@ -33,6 +45,12 @@ def configure_report(p: argparse.ArgumentParser) -> None:
         help="read a trace that was cut short (no end record: a crashed in-process run, a .partial file) "
         "up to its last whole record; the report says it is incomplete",
     )
+    p.add_argument(
+        "--each-rank",
+        action="store_true",
+        help="on a multi-rank folder, also re-render each rank's report.html and summary.json from its "
+        "trace (into rank-K/ of the output folder) before merging them",
+    )
     p.epilog = (
         f"exit codes: {exitcodes.OK} written; {exitcodes.USAGE_ERROR} usage or output folder error; "
         f"{exitcodes.TRACE_ERROR} unreadable trace"
@@ -42,8 +60,13 @@ def configure_report(p: argparse.ArgumentParser) -> None:
 def report_command(ns: argparse.Namespace) -> int:
     from memdoctor.launch.saving import Saved, failure_line, write_report_files
     from memdoctor.report import build_summary  # the analysis and report layers; imported late
+    from memdoctor.report.ranks import is_multi_rank
     from memdoctor.trace import load_trace, paused_gc, unfinished_end
 
+    if ns.trace.is_dir() and not (ns.trace / TRACE_FILENAME).is_file() and is_multi_rank(ns.trace):
+        return report_ranks(ns)
+    if ns.each_rank:
+        raise UsageError(f"{ns.trace}: --each-rank is for a multi-rank profile's folder (rank-K/ folders)")
     path = trace_file(ns.trace)
     # The collector paused for the whole command, the terminal's summary too: re-enabled, its first
     # pass would walk every object of the loaded trace once more (about a second for 100,000 steps).
@@ -73,6 +96,63 @@ def report_command(ns: argparse.Namespace) -> int:
         # pass would walk every object allocated meanwhile that is still alive (a second or more).
         del trace, summary
     return exitcodes.OK
+
+
+def report_ranks(ns: argparse.Namespace) -> int:
+    """The merged report of a multi-rank folder, into the folder itself unless it has a report already
+    (then ``rerender-N`` inside it, as for a trace; ``-o`` and ``--force`` as for a trace). With
+    ``--each-rank`` each rank's report and summary are re-rendered first, into ``rank-K/`` there."""
+    from memdoctor.report.ranks import RANKS_FILENAME, rank_folders, write_merged
+
+    folder: Path = ns.trace
+    out = report_output_dir(folder / RANKS_FILENAME, ns.output, force=ns.force)
+    try:
+        if out.note:
+            say(out.note)
+        if ns.each_rank:
+            rerender_ranks(folder, rank_folders(folder), out.path, force=ns.force)
+        paths = write_merged(folder, out.path)
+    finally:
+        out.release()
+    print_ranks(json.loads(paths["summary"].read_text(encoding="utf-8")))
+    print_written(list(paths.values()))
+    return exitcodes.OK
+
+
+def rerender_ranks(source: Path, folders: dict[int, Path], dest: Path, *, force: bool) -> None:
+    """Each rank's report.html and summary.json from its trace, into its folder's place under ``dest``
+    (``dest/rank-K``, where the merged report looks for it first); a rank whose trace cannot be read is
+    said and skipped (the merged report names it too). A folder that has a report already is
+    overwritten only with ``--force``: checked for every rank before any is written."""
+    from memdoctor.report import write_report
+    from memdoctor.trace import load_trace, paused_gc
+
+    targets = {rank: dest / os.path.relpath(f, source) for rank, f in folders.items()}
+    held = [t for t in targets.values() if not force and any((t / n).exists() for n in REPORT_FILES)]
+    if held:
+        raise UsageError(
+            f"{held[0]}: already has a report; pass --force to overwrite it, or -o DIR to write elsewhere"
+        )
+    for rank, path in sorted(folders.items()):
+        try:
+            with paused_gc():
+                trace = load_trace(path / TRACE_FILENAME)
+                write_report(trace, ensure_writable(targets[rank]))
+        except MemdoctorError as exc:
+            say(f"rank {rank}: not re-rendered: {one_line(exc)}")
+
+
+def print_ranks(summary: dict[str, Any]) -> None:
+    """The merged summary in a few lines: the headline, then a line per rank."""
+    print(summary["headline"])
+    for row in summary["ranks"]:
+        peak = (
+            format_bytes(row["peak_memory_bytes"]) if row["peak_memory_bytes"] is not None else "not measured"
+        )
+        step = f"{row['step_time_ms']:.1f} ms" if row["step_time_ms"] is not None else "not measured"
+        print(f"  rank {row['rank']}: {row['status']}, peak {peak}, step {step} (measured)")
+    for problem in summary["problems"]:
+        say(problem)
 
 
 COMMAND = Command(
