@@ -48,7 +48,9 @@ _SHOWN_NAMES = 6
 
 
 def say_stderr(line: str) -> None:
-    print(f"memdoctor: {line}", file=sys.stderr, flush=True)
+    """One write per line: the ranks of a job share one stderr, and a line written in parts interleaves."""
+    sys.stderr.write(f"memdoctor: {line}\n")
+    sys.stderr.flush()
 
 
 def raise_config_error(message: str) -> None:

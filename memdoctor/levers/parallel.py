@@ -143,21 +143,26 @@ class Parallel(BeforeOptimizer):
         if isinstance(found, str):
             raise ValueError(found)
         fully_shard, policy = found
+        units = []
+        for name in self.config.shard_modules:
+            try:
+                units.append(submodule(root, name))
+            except AttributeError as exc:
+                raise ValueError(f"shard_modules: {exc}") from None
         broadcast_states(root)
         reshard = self.config.parallel == "fsdp2"
         kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
         if self.config.full_offload:
             kwargs["offload_policy"] = policy(pin_memory=torch.cuda.is_available())
         before = dict(root.named_parameters(remove_duplicate=False))
-        for name in self.config.shard_modules:
-            fully_shard(submodule(root, name), **kwargs)
+        for unit in units:
+            fully_shard(unit, **kwargs)
         fully_shard(root, **kwargs)
         self.model = root
         host = "; parameters, gradients and optimizer state on the host" if self.config.full_offload else ""
-        units = len(self.config.shard_modules)
         self.applied(
             f"{self.part}: {class_name(root)} sharded over {self.world.size} ranks with FSDP2 fully_shard "
-            f"({units} modules and the root, reshard_after_forward={reshard}{host}; "
+            f"({len(units)} modules and the root, reshard_after_forward={reshard}{host}; "
             f"{format_bytes(_bytes(before.values()))} of parameters in all), rank {self.world.rank} on "
             f"{self.world.device()}, the optimizer built over its shard"
         )
@@ -301,7 +306,7 @@ def start_parallel(
     undo.append(refuse_own(fail))
     sharding = DataSharding(world.rank, world.size, applied)
     undo.append(sharding.install())
-    lever = Parallel(config, world, model_for((*config.checkpoint, *config.shard_modules)), applied, fail)
+    lever = Parallel(config, world, model_for(config.checkpoint), applied, fail)
     undo.append(lever.install())  # its torch was checked by ``refusals``
     return lever, sharding, undo
 
