@@ -18,7 +18,9 @@ the chosen dtype with a ``torch.amp.GradScaler`` for fp16, accumulation through 
 offload of the chosen modules' parameters and of the optimizer's state to the host
 (``memdoctor.levers.offload``; the optimizer must be passed for the latter), and full offload (FSDP2
 with CPU offload, ``memdoctor.levers.offload_full``: pass the optimizer before its first step, or build
-it after ``apply`` from ``model.parameters()``; ``remove()`` cannot unshard the model).
+it after ``apply`` from ``model.parameters()``; ``remove()`` cannot unshard the model), and ``parallel``
+in each rank of the user's own job (``memdoctor.levers.parallel.apply_parallel``: DDP or FSDP2 wraps the
+model in place; a loader passed must already use a ``DistributedSampler``).
 What it cannot apply faithfully (an optimizer swap, padding trimming, an attention
 implementation, data-loader settings on a loader that already exists, an allocator setting after CUDA
 started) raises ``ConfigError`` naming the part: a plan part is never silently dropped.
@@ -216,7 +218,10 @@ def apply(config: PlanConfig, model: torch.nn.Module, optimizer: Any = None, loa
     _allocator(config)
     applied = Applied(config, model, optimizer, loader)
     try:
-        _full_offload(applied)
+        if config.parallel is not None:
+            _parallel(applied)
+        else:
+            _full_offload(applied)
         _offload(applied)
     except ValueError as exc:
         applied.remove()
@@ -251,7 +256,16 @@ def _full_offload(applied: Applied) -> None:
     def fail(message: str) -> None:
         raise ValueError(message)
 
-    FullOffload(lambda root: True, lambda line: None, fail).shard_built(applied.model, applied.optimizer)
+    FullOffload(lambda root: True, lambda line: None, fail).wrap_built(applied.model, applied.optimizer)
+
+
+def _parallel(applied: Applied) -> None:
+    """``parallel``: the model wrapped by DDP or FSDP2 in this rank of the user's job
+    (``memdoctor.levers.parallel.apply_parallel``; ValueError names what cannot apply)."""
+    from memdoctor.levers.parallel import apply_parallel
+
+    a = applied
+    a._undo.extend(apply_parallel(a.config, a.model, a.optimizer, a.loader))
 
 
 def not_applicable(config: PlanConfig, loader: Any = None) -> list[str]:

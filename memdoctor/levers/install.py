@@ -26,6 +26,7 @@ from memdoctor.levers import SEEN_THROUGH, FrameworkPatch
 from memdoctor.levers.apply import SeeSaved, _allocator, can_see_through, checkpoint_module, no_kv_cache
 from memdoctor.levers.autocast import LossScaling, autocast_forward
 from memdoctor.levers.backward import BackwardPatch
+from memdoctor.levers.beforeoptimizer import BeforeOptimizer
 from memdoctor.levers.firststep import forward_called, offloaded_only
 from memdoctor.levers.frameworks import patch_frameworks
 from memdoctor.levers.loader import LoaderSettings
@@ -33,8 +34,10 @@ from memdoctor.levers.loopsplit import LoopSplit
 from memdoctor.levers.microbatch import MicroBatching
 from memdoctor.levers.modnames import class_name, recorded_names, submodule
 from memdoctor.levers.offload import install_offload
-from memdoctor.levers.offload_full import FullOffload, model_for, not_sharded
+from memdoctor.levers.offload_full import FullOffload, model_for
 from memdoctor.levers.padding import PaddingTrim
+from memdoctor.levers.parallel import start_parallel
+from memdoctor.levers.parallel_data import DataSharding
 from memdoctor.levers.scriptargs import ScriptArguments
 from memdoctor.levers.targets import ModelWatch, describes, optimizers_of
 from memdoctor.patching import Undo
@@ -45,7 +48,9 @@ _SHOWN_NAMES = 6
 
 
 def say_stderr(line: str) -> None:
-    print(f"memdoctor: {line}", file=sys.stderr, flush=True)
+    """One write per line: the ranks of a job share one stderr, and a line written in parts interleaves."""
+    sys.stderr.write(f"memdoctor: {line}\n")
+    sys.stderr.flush()
 
 
 def raise_config_error(message: str) -> None:
@@ -69,7 +74,8 @@ class Installation:
     _padding: PaddingTrim | None = None
     _split: LoopSplit | ScriptArguments | None = None  # micro-batching outside the forward
     _first: nn.Module | None = None  # a root passed over for another model class
-    _full: FullOffload | None = None
+    _full: BeforeOptimizer | None = None  # full_offload's or parallel's engine, wrapping at the optimizer
+    _sharding: DataSharding | None = None  # parallel's DataLoaders
     _near: nn.Module | None = None  # a root with the planned modules, but not the model described
     _watch: ModelWatch | None = None
     _scaling: LossScaling | None = None  # fp16's loss scaling, for the end-of-run line
@@ -99,6 +105,8 @@ class Installation:
             notes.append(self._loader.summary())
         if self._padding is not None:
             notes.append(self._padding.summary())
+        if self._sharding is not None:
+            notes.append(self._sharding.summary())
         scaled = self._scaling.summary() if self._scaling is not None else None
         if scaled:
             notes.append(scaled)
@@ -116,6 +124,7 @@ class Installation:
     def _needs_model(self) -> bool:
         c = self.config
         offload = bool(c.offload_parameters) or c.optimizer == "offload" or c.full_offload
+        offload = offload or c.parallel is not None
         in_forward = c.accumulation_steps > 1 and c.accumulation_split in (None, "forward")
         return bool(c.checkpoint) or c.precision != "fp32" or in_forward or offload
 
@@ -181,7 +190,7 @@ class Installation:
             self.say(f"note: the config was made for {other}; this script's model is {cls}")
         self._refuse(root)
         if self._full is not None and self._full.model is not root:
-            self.fail(not_sharded(root))
+            self.fail(self._full.not_wrapped(root))
         self._offload(root)  # before the GradScaler's step wrapper: that one must be outermost
         c = self.config
         if c.checkpoint and self.ours("checkpoint"):
@@ -359,12 +368,23 @@ def _install_now(inst: Installation) -> None:
             inst._undo.append(undo)
             inst.applied("padding: trim: each DataLoader batch cut to its longest attention-masked sequence")
     inst._undo.append(inst.backward.install())
-    if c.full_offload:
+    if c.parallel is not None:
+        _start_parallel(inst)
+    elif c.full_offload:
         inst._start_full_offload()
     if c.accumulation_steps > 1 and c.accumulation_split in ("loader", "arguments"):
         _split_outside(inst)
     watch = inst._watch = ModelWatch(inst.accept, inst.on_model, inst.missing, inst.matches)
     inst._undo.append(watch.start())
+
+
+def _start_parallel(inst: Installation) -> None:
+    """``parallel`` (``memdoctor.levers.parallel``): the rank's group, its DataLoaders sharded, and the
+    engine's wrap at the model's optimizer, inside the model watch's like full offload's."""
+    started = start_parallel(inst.config, inst.applied, inst.fail)
+    if started is not None:
+        inst._full, inst._sharding, undo = started
+        inst._undo.extend(undo)
 
 
 def _split_outside(inst: Installation) -> None:

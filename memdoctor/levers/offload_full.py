@@ -10,11 +10,10 @@ and the optimizer's state on the host, where the script's own optimizer steps th
 ZeRO-Offload does the same, but needs DeepSpeed and a DeepSpeed engine the script does not build.)
 
 How it reaches an unmodified script: FSDP2 replaces each parameter by a new ``DTensor`` parameter, so it
-must run before the script's optimizer takes the parameters. ``torch.optim.Optimizer.__init__`` is
-wrapped (``memdoctor.patching``): the first optimizer built over a model's parameters finds that model
-(the root module owning them, as ``memdoctor.levers.targets`` does), shards it (each block of a repeated
-stack, else each top-level child, then the root), and is built over the sharded parameters instead. A
-script that steps a model whose optimizer was built before memdoctor was installed cannot be changed.
+must run before the script's optimizer takes the parameters: inside the first ``Optimizer.__init__``
+over the model's parameters (``memdoctor.levers.beforeoptimizer``, shared with ``parallel``), each block
+of a repeated stack, else each top-level child, then the root is sharded, and the optimizer is built
+over the sharded parameters instead.
 
 With world size 1 FSDP2 needs a process group; one is made in memory (``HashStore``: no port, no file),
 gloo for the CPU and NCCL for CUDA, and destroyed at exit. A script that already runs one with more
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memdoctor.capture.discovery import find_trained_roots
+from memdoctor.levers.beforeoptimizer import BeforeOptimizer, Swap, swap_of
 from memdoctor.levers.modnames import class_name, recorded_names
 from memdoctor.patching import Undo, set_attr
 
@@ -121,19 +120,11 @@ def model_for(names: Iterable[str]) -> Callable[[nn.Module], bool]:
     return accept
 
 
-def not_sharded(root: nn.Module) -> str:
-    """Why the model the plan applies to was found unsharded."""
-    return (
-        f"full_offload: {class_name(root)} was not sharded before its optimizer was built (the optimizer "
-        "existed before memdoctor was installed, or was built over none of its parameters); FSDP2 must "
-        "replace the parameters before an optimizer takes them"
-    )
+class FullOffload(BeforeOptimizer):
+    """Shards the model of the first optimizer the script builds with FSDP2 and ``CPUOffloadPolicy``,
+    before that optimizer takes its parameters (``memdoctor.levers.beforeoptimizer``)."""
 
-
-class FullOffload:
-    """Shards the model of the first optimizer the script builds, before that optimizer takes its
-    parameters. ``accept(root)``: whether ``root`` is the model the plan was made for; ``applied`` is
-    told what was done, ``fail`` why it cannot be."""
+    part = "full_offload"
 
     def __init__(
         self,
@@ -143,114 +134,35 @@ class FullOffload:
         *,
         pin_memory: bool | None = None,
     ) -> None:
-        self.accept = accept
-        self.applied = applied
-        self.fail = fail
+        super().__init__(accept, applied, fail)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.model: nn.Module | None = None
-        self._undo: list[Undo] = []
 
-    def install(self) -> Undo:
-        """Wrap ``Optimizer.__init__``; raises ValueError when this torch cannot shard at all."""
+    def unavailable(self) -> str | None:
         found = fsdp2()
-        if isinstance(found, str):
-            raise ValueError(f"full_offload: {found}")
-        original = torch.optim.Optimizer.__init__
-        lever = self
+        return found if isinstance(found, str) else None
 
-        def __init__(opt: torch.optim.Optimizer, params: Any, *args: Any, **kwargs: Any) -> None:
-            if lever.model is None:
-                params = lever._before_optimizer(params)
-            original(opt, params, *args, **kwargs)
-
-        self._undo.append(set_attr(torch.optim.Optimizer, "__init__", __init__))
-        return self.remove
-
-    def remove(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-    def _before_optimizer(self, params: Any) -> Any:
-        """The optimizer's ``params`` argument with the model's parameters replaced by its sharded ones
-        (a generator is read once here and passed on as a list)."""
-        if isinstance(params, torch.Tensor):
-            return params  # not an iterable: the optimizer's own check refuses it
-        params = list(params)
-        ids = {id(p) for p in _tensors(params)}
-        root = next((r for r in find_trained_roots(ids) if self.accept(r)), None)
-        if root is None:
-            return params
-        try:
-            swap = self.shard(root)
-        except (RuntimeError, ValueError) as exc:
-            self.fail(f"full_offload: FSDP2 could not shard {class_name(root)}: {exc}")
-            return params
-        return [_swapped(x, swap) for x in params]
-
-    def shard(self, root: nn.Module) -> dict[int, nn.Parameter]:
+    def wrap(self, root: nn.Module) -> Swap:
         """Shard ``root`` with CPU offload; returns id(old parameter) -> its sharded parameter."""
         found = fsdp2()
         if isinstance(found, str):
             raise ValueError(f"full_offload: {found}")
         fully_shard, policy = found
         self._undo.append(process_group())
-        before = {name: p for name, p in root.named_parameters(remove_duplicate=False)}
+        before = dict(root.named_parameters(remove_duplicate=False))
         units = shard_units(root)
         offload = policy(pin_memory=self.pin_memory)
         for unit in units:
             fully_shard(unit, offload_policy=offload)
         fully_shard(root, offload_policy=offload)
         self.model = root
-        after = dict(root.named_parameters(remove_duplicate=False))
-        swap = {id(p): after[name] for name, p in before.items() if name in after}
-        self._undo.append(_kept_on_host(root, self.fail))
+        self._undo.append(kept_on_device(root, self.fail, self.part))
         self.applied(
             f"full_offload: {class_name(root)} sharded with FSDP2 fully_shard + CPUOffloadPolicy on one "
             f"process ({len(units)} units and the root; parameters, gradients and optimizer state on the "
             f"host, {_gib(dict(root.named_parameters()).values())} GiB), the optimizer built over the "
             "sharded parameters"
         )
-        return swap
-
-    def shard_built(self, root: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """For ``memdoctor.apply``, where the script already built its optimizer: shard ``root`` and
-        put the sharded parameters in the optimizer's groups, in place (its state is made at its first
-        step, keyed by the parameters it holds then). Refused once it has stepped: its state belongs to
-        the parameters FSDP2 replaced."""
-        if optimizer is not None and optimizer.state:
-            raise ValueError(
-                "full_offload: the optimizer has already stepped; apply the plan before the first step"
-            )
-        swap = self.shard(root)
-        for group in optimizer.param_groups if optimizer is not None else []:
-            params = group["params"]
-            params[:] = [swap.get(id(p), p) for p in params]  # in place: LBFGS keeps this list
-
-
-def _tensors(params: list[Any]) -> Iterable[torch.Tensor]:
-    """The tensors of an optimizer's ``params``: tensors, ``(name, tensor)`` pairs (torch >= 2.6 takes
-    ``named_parameters()``) and param groups of either (a group's ``params`` may be one tensor)."""
-    for x in params:
-        if isinstance(x, dict):
-            group = x.get("params")
-            yield from _tensors([group] if isinstance(group, torch.Tensor) else list(group or []))
-        elif isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor):
-            yield x[1]
-        elif isinstance(x, torch.Tensor):
-            yield x
-
-
-def _swapped(x: Any, swap: dict[int, nn.Parameter]) -> Any:
-    """One element of the optimizer's ``params`` (as ``_tensors`` reads it), with sharded parameters."""
-    if isinstance(x, dict):
-        group = dict(x)
-        found = group.get("params")
-        found = [found] if isinstance(found, torch.Tensor) else list(found or [])
-        group["params"] = [_swapped(p, swap) for p in found]
-        return group
-    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor):
-        return (x[0], swap.get(id(x[1]), x[1]))
-    return swap.get(id(x), x) if isinstance(x, torch.Tensor) else x
+        return swap_of(root, before)
 
 
 def _gib(params: Iterable[torch.Tensor]) -> str:
@@ -279,16 +191,17 @@ def process_group() -> Undo:
     return destroy
 
 
-def _kept_on_host(root: nn.Module, fail: Callable[[str], None]) -> Undo:
-    """``model.to(device)`` / ``.cuda()`` after sharding (a script that moves the model after building
-    its optimizer): FSDP2 already runs the model on the device and keeps its parameters on the host, so
-    a move is a no-op; a change of dtype cannot apply to sharded parameters and stops the run."""
+def kept_on_device(root: nn.Module, fail: Callable[[str], None], part: str) -> Undo:
+    """``model.to(device)`` / ``.cuda()`` after the engine wrapped ``root`` (a script that moves the model
+    after building its optimizer): the engine already put it where it runs (FSDP2 on the device, or its
+    parameters on the host with CPU offload; DDP on the rank's device), so a move is a no-op; a change of
+    dtype cannot apply to wrapped parameters and stops the run."""
     undo: list[Undo] = []
 
     def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         dtypes = [a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)]
         if any(p.dtype != d for d in dtypes for p in self.parameters()):
-            fail(f"full_offload: the script casts the sharded model to {dtypes[0]}; cast it before")
+            fail(f"{part}: the script casts the wrapped model to {dtypes[0]}; cast it before")
         return self
 
     def cuda(self: nn.Module, device: Any = None) -> nn.Module:
