@@ -12,7 +12,7 @@ from typing import Any
 from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blocks
 from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
-from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
+from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_blocks
 from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.padding import padding_facts
 from memdoctor.plan.splits import output_bytes, split_of
@@ -76,6 +76,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     split = split_of(trace)
     if split.why_not:
         notes.append(split.why_not)
+    names, units = shard_blocks(trace, notes)
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, own, notes)
@@ -115,7 +116,10 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
-        shard_units=shard_units(trace, notes),
+        shard_units=units,
+        shard_names=names,
+        optimizer_ms=(summary.get("phases_ms") or {}).get("optimizer"),
+        **measured_link(trace, summary),
         outside_bytes=_outside_bytes(outside, notes),
         root_output_bytes=output_bytes(trace, batch_size(summary)),
         script_autocast=script.get("autocast"),
@@ -128,6 +132,24 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         optimizer_classes=tuple((summary.get("steps_found") or {}).get("optimizers") or ()),
         model=model,
     )
+
+
+def measured_link(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``Workload`` fields of a measured collective rate: the ``link`` of the device record
+    (``{backend, bytes_per_s, measured: true, world_size}``), read as it is found (``summary.json``'s
+    device, the device collector's record, the header's device); none when not measured."""
+    places = [summary.get("device"), trace.collected.get("device"), trace.device]
+    links = [p["link"] for p in places if isinstance(p, dict) and isinstance(p.get("link"), dict)]
+    link: dict[str, Any] = links[0] if links else {}
+    rate = link.get("bytes_per_s")
+    if not link.get("measured") or not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate <= 0:
+        return {}
+    size = link.get("world_size")
+    return {
+        "link_bytes_per_s": float(rate),
+        "link_backend": str(link.get("backend")) if link.get("backend") else None,
+        "link_world_size": int(size) if isinstance(size, int) and not isinstance(size, bool) else None,
+    }
 
 
 def planned_model(
