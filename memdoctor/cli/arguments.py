@@ -138,3 +138,15 @@ def trace_file(path: Path) -> Path:
     if path.is_dir() and (path / TRACE_FILENAME).is_file():
         return path / TRACE_FILENAME
     return path
+
+
+def add_gpus(p: argparse.ArgumentParser) -> None:
+    """``plan``'s ``--gpus N``: the cards (one process each) the plan spreads the step over."""
+    p.add_argument(
+        "--gpus",
+        type=arg_type(count(1)),
+        metavar="N",
+        help="plan for N cards of the budget each (DDP, FSDP2, FSDP2 with CPU offload; the batch split "
+        "over them): per-card peak and step time, and how many cards are needed when N are not; "
+        "default: the ranks of the traced job, else 1",
+    )
