@@ -36,7 +36,8 @@ def moved_bytes(w: Workload, config: Config) -> dict[str, float]:
     share = (n - 1) / n
     if config.parallel == "ddp":
         return {"all_reduce": 2 * share * w.gradients * k}
-    again = sum(w.shard_units) if config.parallel == "fsdp2" else 0
+    again = sum(b for n, b in zip(w.shard_names, w.shard_units, strict=False) if n in config.shard_modules)
+    again = again if config.parallel == "fsdp2" else 0
     return {
         "all_gather": share * (w.parameters + again) * k,
         "reduce_scatter": share * w.gradients * k,

@@ -9,9 +9,11 @@ assumptions they rest on.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from memdoctor.plan.candidates import shard_blocks
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.memory import (
@@ -62,6 +64,9 @@ def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     micro-batch, that measurement scaled back to the full batch (``memdoctor.plan.reprofiled``). A rank's
     trace (several GPUs) is planned from its one-process equivalent (``memdoctor.plan.parallel``)."""
     w = reprofiled_workload(trace) or measured_workload(trace, summary)
+    if w is not None and w.shard_units and not w.shard_names:  # a re-profile recorded before names
+        names, units = shard_blocks(trace)
+        w = dataclasses.replace(w, shard_names=names) if units == w.shard_units else w
     return None if w is None else from_rank(w, trace, summary)
 
 

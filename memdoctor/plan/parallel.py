@@ -70,15 +70,18 @@ def engine_parts(
         return out
     root, held = unsharded_bytes(w, config)
     grad_ratio = w.gradients / w.parameters if w.parameters else 1.0
+    units = shard_units(w, config)
     out["parameters"] = math.ceil(w.parameters / n)
     out["unsharded_parameters"] = root + held
     out["gradients"] = math.ceil(out["gradients"] / n)
-    out["unsharded_gradients"] = round((root + _largest(w.shard_units)) * grad_ratio)
+    out["unsharded_gradients"] = round(
+        (root + sum(sorted(units, reverse=True)[:FSDP_UNITS_HELD])) * grad_ratio
+    )
     out["optimizer_state"] = math.ceil(parts["optimizer_state"] / n)
     how = (
         "every shard unit's, gathered in forward and kept to its backward (reshard_after_forward=False)"
         if config.parallel == "fsdp2-no-reshard"
-        else f"{FSDP_UNITS_HELD} of the largest of {len(w.shard_units)} shard units' (the one running and "
+        else f"{FSDP_UNITS_HELD} of the largest of {len(units)} shard units' (the one running and "
         "the next, prefetched)"
     )
     assumptions.append(
@@ -89,16 +92,20 @@ def engine_parts(
     return out
 
 
+def shard_units(w: Workload, config: Config) -> tuple[int, ...]:
+    """Parameter bytes of the units ``config`` shards before the root: those of its ``shard_modules``
+    (a plan without them wraps the root alone, which then holds every parameter)."""
+    names = set(config.shard_modules)
+    return tuple(b for n, b in zip(w.shard_names, w.shard_units, strict=False) if n in names)
+
+
 def unsharded_bytes(w: Workload, config: Config) -> tuple[int, int]:
     """The root unit's parameter bytes, and the shard units' a rank holds gathered at the peak."""
-    root = max(0, w.parameters - sum(w.shard_units))
+    units = shard_units(w, config)
+    root = max(0, w.parameters - sum(units))
     if config.parallel == "fsdp2-no-reshard":
-        return root, sum(w.shard_units)
-    return root, sum(sorted(w.shard_units, reverse=True)[:FSDP_UNITS_HELD])
-
-
-def _largest(units: tuple[int, ...]) -> int:
-    return sum(sorted(units, reverse=True)[:FSDP_UNITS_HELD])
+        return root, sum(units)
+    return root, sum(sorted(units, reverse=True)[:FSDP_UNITS_HELD])
 
 
 def _gradients_at_peak(w: Workload, config: Config, parts: dict[str, int], assumptions: list[str]) -> int:
