@@ -277,10 +277,10 @@ def not_expressed_parallel(config: PlanConfig, tool: str, layer_classes: Sequenc
             "offload_parameters: the engines offload every parameter or none (FSDP2 CPUOffloadPolicy, ZeRO-3 "
             "offload_param), not chosen modules; memdoctor run / memdoctor.apply"
         )
-    if config.micro_batch is None:
+    if config.micro_batch is None and (tool == "deepspeed" or config.gpus > 1):
         out.append(
-            "micro_batch: not measured: the per-GPU batch is your batch / "
-            f"({config.gpus} GPUs x {config.accumulation_steps} micro-batches)"
+            "micro_batch: not measured: the per-GPU batch is your batch / (gpus x accumulation_steps), "
+            f"here / {config.gpus * config.accumulation_steps}"
         )
     return out
 
