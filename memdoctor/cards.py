@@ -5,7 +5,8 @@ capability: the rows with a ``key``), and the roofline of the compute section an
 time (peak FLOP/s and memory bandwidth, matched on the device name torch reports: the rows with a
 ``match``). Some cards only the roofline knows: ``--gpu`` does not offer them.
 
-Figures are the vendors' datasheet values (nominal memory, not measured). Data-center cards with ECC on
+Figures are the vendors' datasheet values (nominal memory, not measured; NVLink and PCIe rates as
+published, for the planner's several-GPU time: ``Card.gpu_link``). Data-center cards with ECC on
 (T4, V100, A10, A100, H100) report somewhat less memory to CUDA than the nominal size; the context
 reserve below and the planner's safety margin are meant to cover that, and a measured figure (the
 ``device`` record of a trace profiled on the card) is always better.
