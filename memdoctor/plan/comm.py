@@ -9,11 +9,14 @@ size) (N-1)/N x S.
 
 from __future__ import annotations
 
+from typing import Any
+
 from memdoctor.cards import Card, device_card, find_card
 from memdoctor.errors import UsageError
 from memdoctor.plan.config import Config
 from memdoctor.plan.memory import ranks
 from memdoctor.plan.workload import Workload
+from memdoctor.trace import Trace
 
 # CPU runs: gloo over the loopback of one host. Measured once on the 2-core development machine (2
 # processes, a 64 MB all-reduce: 0.62 GB/s of bus bandwidth; 0.29 GB/s at 4 MB): an assumption for any
@@ -41,6 +44,24 @@ def moved_bytes(w: Workload, config: Config) -> dict[str, float]:
     return {
         "all_gather": share * (w.parameters + again) * k,
         "reduce_scatter": share * w.gradients * k,
+    }
+
+
+def measured_link(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``Workload`` fields of a measured collective rate: the ``link`` of the device record
+    (``{backend, bytes_per_s, measured: true, world_size}``), read as it is found (``summary.json``'s
+    device, the device collector's record, the header's device); none when not measured."""
+    places = [summary.get("device"), trace.collected.get("device"), trace.device]
+    links = [p["link"] for p in places if isinstance(p, dict) and isinstance(p.get("link"), dict)]
+    link: dict[str, Any] = links[0] if links else {}
+    rate = link.get("bytes_per_s")
+    if not link.get("measured") or not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate <= 0:
+        return {}
+    size = link.get("world_size")
+    return {
+        "link_bytes_per_s": float(rate),
+        "link_backend": str(link.get("backend")) if link.get("backend") else None,
+        "link_world_size": int(size) if isinstance(size, int) and not isinstance(size, bool) else None,
     }
 
 

@@ -13,6 +13,7 @@ from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blo
 from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
 from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_blocks
+from memdoctor.plan.comm import measured_link
 from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.padding import padding_facts
 from memdoctor.plan.splits import output_bytes, split_of
@@ -132,24 +133,6 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         optimizer_classes=tuple((summary.get("steps_found") or {}).get("optimizers") or ()),
         model=model,
     )
-
-
-def measured_link(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
-    """The ``Workload`` fields of a measured collective rate: the ``link`` of the device record
-    (``{backend, bytes_per_s, measured: true, world_size}``), read as it is found (``summary.json``'s
-    device, the device collector's record, the header's device); none when not measured."""
-    places = [summary.get("device"), trace.collected.get("device"), trace.device]
-    links = [p["link"] for p in places if isinstance(p, dict) and isinstance(p.get("link"), dict)]
-    link: dict[str, Any] = links[0] if links else {}
-    rate = link.get("bytes_per_s")
-    if not link.get("measured") or not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate <= 0:
-        return {}
-    size = link.get("world_size")
-    return {
-        "link_bytes_per_s": float(rate),
-        "link_backend": str(link.get("backend")) if link.get("backend") else None,
-        "link_world_size": int(size) if isinstance(size, int) and not isinstance(size, bool) else None,
-    }
 
 
 def planned_model(
