@@ -1,6 +1,7 @@
 """Communication between the ranks of a several-GPU plan: the bytes each engine moves over a rank's link
 in one step (``moved_bytes``) and the rate it moves them at (``collective_rate``: measured, the card's
-published figure, or a stated assumption). ``memdoctor.plan.timing`` turns the two into milliseconds.
+published figure, or a stated assumption; ``measured_link`` reads the trace's measured one).
+``memdoctor.plan.timing`` turns the two into milliseconds.
 
 Ring collectives, the algorithm NCCL and gloo use for large tensors: over N ranks an all-reduce of S
 bytes sends 2(N-1)/N x S over each rank's link, an all-gather or a reduce-scatter of S (the unsharded
