@@ -5,7 +5,8 @@ capability: the rows with a ``key``), and the roofline of the compute section an
 time (peak FLOP/s and memory bandwidth, matched on the device name torch reports: the rows with a
 ``match``). Some cards only the roofline knows: ``--gpu`` does not offer them.
 
-Figures are the vendors' datasheet values (nominal memory, not measured). Data-center cards with ECC on
+Figures are the vendors' datasheet values (nominal memory, not measured; NVLink and PCIe rates as
+published, for the planner's several-GPU time: ``Card.gpu_link``). Data-center cards with ECC on
 (T4, V100, A10, A100, H100) report somewhat less memory to CUDA than the nominal size; the context
 reserve below and the planner's safety margin are meant to cover that, and a measured figure (the
 ``device`` record of a trace profiled on the card) is always better.
@@ -27,6 +28,11 @@ CONTEXT_RESERVE_BYTES = 512 * MiB
 # Per direction, x16 link, theoretical; transfers reach ~80% of it (``PCIE_EFFICIENCY``, an assumption).
 PCIE_BYTES_PER_S = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9}
 PCIE_EFFICIENCY = 0.8
+# Collectives between the cards of one host (the planner's several-GPU time, ``gpu_link``): a ring
+# all-reduce, all-gather or reduce-scatter moves its bytes over each card's link in one direction at a
+# time, at this share of the published rate (nccl-tests' bus bandwidth on NVLink and PCIe machines is
+# typically 75-85% of it; an assumption, as ``PCIE_EFFICIENCY``).
+LINK_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,10 @@ class Card:
     capability: tuple[int, int]
     match: str | None = None  # found in torch's device name: this card's peaks; None: no peaks known
     peaks: Peaks | None = None
+    # NVLink between the cards of one board, per direction: the published total (both directions) / 2.
+    # Only for parts whose NVLink is always there (SXM boards); a PCIe card's optional bridge is not
+    # assumed (None: the cards talk over PCIe).
+    nvlink_bytes_per_s: float | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -61,6 +71,19 @@ class Card:
     def pcie_bytes_per_s(self) -> float:
         """Expected host<->device rate: the link's datasheet rate times ``PCIE_EFFICIENCY`` (assumed)."""
         return PCIE_BYTES_PER_S[self.pcie_gen] * PCIE_EFFICIENCY
+
+    def gpu_link(self) -> tuple[float, str]:
+        """The rate collectives between two such cards run at (bytes a second, one direction) and what
+        it rests on: NVLink where the board has it, else PCIe; both the published figure times
+        ``LINK_EFFICIENCY`` (an assumption)."""
+        if self.nvlink_bytes_per_s:
+            rate = self.nvlink_bytes_per_s * LINK_EFFICIENCY
+            what = f"{self.name} NVLink, published {2 * self.nvlink_bytes_per_s / 1e9:.0f} GB/s both ways"
+        else:
+            rate = PCIE_BYTES_PER_S[self.pcie_gen] * LINK_EFFICIENCY
+            published = PCIE_BYTES_PER_S[self.pcie_gen]
+            what = f"{self.name} PCIe Gen{self.pcie_gen} x16, published {published / 1e9:.1f} GB/s"
+        return rate, f"assumption: the card's published link figure ({what}) x {LINK_EFFICIENCY:.0%}"
 
     @property
     def bf16(self) -> bool:
@@ -100,17 +123,17 @@ GPU_TABLE: tuple[Card, ...] = (
     Card("a100-40gb", "A100 40GB", 40 * GiB, 4, (8, 0),
          "A100", Peaks(19.5e12, 312e12, 1.555e12)),
     Card("a100-80gb", "A100 80GB", 80 * GiB, 4, (8, 0),
-         "A100-SXM4-80GB", Peaks(19.5e12, 312e12, 2.039e12)),
+         "A100-SXM4-80GB", Peaks(19.5e12, 312e12, 2.039e12), nvlink_bytes_per_s=300e9),
     Card(None, "A100 80GB PCIe", 80 * GiB, 4, (8, 0),
          "A100 80GB PCIe", Peaks(19.5e12, 312e12, 1.935e12)),
     Card("h100-80gb", "H100 80GB", 80 * GiB, 5, (9, 0),
-         "H100", Peaks(67e12, 989e12, 3.35e12)),
+         "H100", Peaks(67e12, 989e12, 3.35e12), nvlink_bytes_per_s=450e9),
     Card(None, "H100 PCIe", 80 * GiB, 5, (9, 0),
          "H100 PCIe", Peaks(51e12, 756e12, 2.0e12)),
     Card(None, "H100 NVL", 94 * GiB, 5, (9, 0),
          "H100 NVL", Peaks(60e12, 835e12, 3.9e12)),
     Card("h200", "H200", 141 * 10**9, 5, (9, 0),
-         "H200", Peaks(67e12, 989e12, 4.8e12)),
+         "H200", Peaks(67e12, 989e12, 4.8e12), nvlink_bytes_per_s=450e9),
     Card(None, "H200 NVL", 141 * 10**9, 5, (9, 0),
          "H200 NVL", Peaks(60e12, 835e12, 4.8e12)),
 )
@@ -138,15 +161,21 @@ def find_card(name: str) -> Card:
     raise UsageError(f"unknown GPU {name!r}: --gpu takes one of {known} (or give --budget SIZE)")
 
 
-def device_peaks(name: str | None) -> tuple[str, dict[str, float]] | None:
-    """``(matched pattern, peaks by dtype and "bandwidth")`` for a device name, or None for an unknown
+def device_card(name: str | None) -> Card | None:
+    """The row of the GPU table a device name (as torch reports it) designates, or None for an unknown
     device. A pattern matches as a case-insensitive substring; the longest one found wins, so
     ``H100 NVL`` is not read as ``H100``, nor ``L40S`` as ``L4``."""
     low = (name or "").lower()
     found = [c for c in GPU_TABLE if c.match and c.peaks and c.match.lower() in low]
-    if not found:
+    return max(found, key=lambda c: len(c.match or "")) if found else None
+
+
+def device_peaks(name: str | None) -> tuple[str, dict[str, float]] | None:
+    """``(matched pattern, peaks by dtype and "bandwidth")`` for a device name (``device_card``), or
+    None for an unknown device."""
+    card = device_card(name)
+    if card is None:
         return None
-    card = max(found, key=lambda c: len(c.match or ""))
     peaks = card.peaks
     assert card.match is not None and peaks is not None
     out = {"float32": peaks.float32, "float16": peaks.float16, "bandwidth": peaks.bandwidth}

@@ -349,7 +349,7 @@ def test_cpu_trace_without_budget_has_no_plan() -> None:
 def test_cli_plan_for_a_card(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(BERT32), "--gpu", "rtx2070"]) == exitcodes.OK
     out = capsys.readouterr().out
-    assert "fits with: checkpoint" in out and "which card do I need" in out
+    assert "fits with: checkpoint" in out and "which cards, and how many" in out
 
 
 def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -208,3 +208,15 @@ def _host(text: str | None) -> str | None:
     if text is not None and (not text.strip() or any(c.isspace() for c in text)):
         raise UsageError(f"--master-addr takes a host name or address, not {text!r}")
     return text
+
+
+def add_gpus(p: argparse.ArgumentParser) -> None:
+    """``plan``'s ``--gpus N``: the cards (one process each) the plan spreads the step over."""
+    p.add_argument(
+        "--gpus",
+        type=arg_type(count(1)),
+        metavar="N",
+        help="plan for N cards of the budget each (DDP, FSDP2, FSDP2 with CPU offload; the batch split "
+        "over them): per-card peak and step time, and how many cards are needed when N are not; "
+        "default: the ranks of the traced job, else 1",
+    )

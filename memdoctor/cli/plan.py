@@ -4,12 +4,13 @@ write it as memdoctor.yaml with ``-o DIR`` (or ``-o FILE.yaml``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memdoctor import exitcodes
-from memdoctor.cli.arguments import Command, arg_type, trace_file
+from memdoctor.cli.arguments import Command, add_gpus, arg_type, trace_file
 from memdoctor.cli.terminal import print_plan, print_written, say
 from memdoctor.errors import UsageError
 from memdoctor.units import parse_size
@@ -30,6 +31,7 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         "its features (bf16 or not, fp16 tensor cores, PCIe rate, FLOP rate); with --budget, the smaller "
         "of the two memories",
     )
+    add_gpus(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument(
         "-o",
@@ -42,7 +44,7 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing memdoctor.yaml")
     p.epilog = (
         "without --budget or --gpu: the profiled run's budget and the card it was profiled for "
-        "(profile --gpu), else its GPU. "
+        "(profile --gpu), else its GPU; --budget and --gpu are per card with --gpus. "
         f"exit codes: {exitcodes.OK} planned (also when nothing fits: the output says so); "
         f"{exitcodes.USAGE_ERROR} usage error; {exitcodes.TRACE_ERROR} unreadable trace"
     )
@@ -50,7 +52,7 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
 
 def plan_command(ns: argparse.Namespace) -> int:
     from memdoctor.plan.planner import card_table
-    from memdoctor.plan.summarize import doctor
+    from memdoctor.plan.summarize import doctor, ranks_target
     from memdoctor.report import build_summary  # the analysis, plan and report layers; imported late
     from memdoctor.trace import load_trace
 
@@ -58,11 +60,12 @@ def plan_command(ns: argparse.Namespace) -> int:
     trace = load_trace(path)
     summary = build_summary(trace)
     target = _target(ns, summary, path)
+    target = dataclasses.replace(target, gpus=ns.gpus) if ns.gpus else ranks_target(trace, target) or target
     out = doctor(trace, summary, target)
-    if out["plan"] is None:
-        raise UsageError(f"{path}: cannot plan: {out['reason']}")
+    if out["plan"] is None or out["plan"]["reason"]:
+        raise UsageError(f"{path}: cannot plan: {(out['plan'] or out)['reason']}")
     written = write_plan_config(ns.output, trace, {**summary, "plan": out["plan"]}, force=ns.force)
-    cards = card_table(out["workload"], target.margin, out["lever_priority"]["order"])
+    cards = card_table(out["workload"], target.margin, out["lever_priority"]["order"], target.gpus)
     if ns.json:
         doc = {
             "plan": out["plan"],

@@ -245,12 +245,19 @@ def _cards_table(cards: list[dict[str, Any]], table_cls: Any) -> Any:
     from rich import box
     from rich.markup import escape
 
-    table = table_cls(title="which card do I need", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = table_cls(
+        title="which cards, and how many", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False
+    )
     for col, justify in (("card", "left"), ("memory", "right"), ("verdict", "left"), ("predicted", "right")):
         table.add_column(col, justify=justify, overflow="fold")
     table.add_column("step time", justify="right")
     for c in cards:
         verdict = c["verdict"] + (": " + "; ".join(c["levers"]) if c["levers"] else "")
+        if c.get("gpus", 1) > 1:
+            verdict = f"{c['gpus']} cards: {verdict}"
+        needed = c.get("gpus_needed")
+        if needed:
+            verdict += f"; {needed['gpus']} cards fit: " + "; ".join(needed["levers"])
         ratio = c["predicted_step_time_ratio"]
         table.add_row(
             escape(c["card"]),

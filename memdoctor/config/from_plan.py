@@ -40,7 +40,8 @@ def from_plan(
         levers = dataclasses.replace(levers, precision="bf16")
     k = levers.accumulation_steps
     model = _planned_model(trace, plan.get("model"))
-    micro = batch_size // k if batch_size and batch_size % k == 0 else None
+    per_rank = -(-batch_size // levers.gpus) if batch_size and levers.parallel is not None else batch_size
+    micro = per_rank // k if per_rank and per_rank % k == 0 else None  # a rank's (the batch split over gpus)
     ratio = plan.get("predicted_step_time_ratio")
     split = (
         planned_split(trace) if k > 1 else None
@@ -71,6 +72,18 @@ def _planned_model(trace: Any, index: Any) -> Any:
     before it was recorded)."""
     models = list(getattr(trace, "models", None) or [])
     return next((m for m in models if m.index == index), models[0] if models else None)
+
+
+def shard_classes(trace: Any, config: PlanConfig, model_index: Any = None) -> tuple[str, ...]:
+    """The classes of ``config.shard_modules`` in the trace's planned model, each once, in order: what
+    accelerate and the HF Trainer wrap (``transformer_layer_cls_to_wrap``); empty when the trace does
+    not name them."""
+    model = _planned_model(trace, model_index)
+    if model is None:
+        return ()
+    where = {name: i for i, name in enumerate(model.names)}
+    found = [model.types[where[n]] for n in config.shard_modules if n in where]
+    return tuple(dict.fromkeys(found))
 
 
 def _plan_scaler(plan: dict[str, Any]) -> GradScalerSettings:

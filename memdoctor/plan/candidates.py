@@ -132,22 +132,29 @@ FSDP2_TORCH = (2, 4)
 
 
 def shard_units(trace: Trace, notes: list[str] | None = None) -> tuple[int, ...]:
-    """Parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) shards before the
-    root, in the largest model: the members of its repeated stacks of blocks (modules with children),
-    else its top-level children holding parameters; the rest of the parameters stay with the root's
-    unit. Empty (full offload not planned, said in ``notes``) when the profiled torch has no FSDP2."""
+    """Parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) and FSDP2 shard
+    before the root (``shard_blocks``)."""
+    return shard_blocks(trace, notes)[1]
+
+
+def shard_blocks(trace: Trace, notes: list[str] | None = None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The names and parameter bytes of each unit full offload (``memdoctor.levers.offload_full``) and
+    FSDP2 (``shard_modules``) shard before the root, in the largest model: the members of its repeated
+    stacks of blocks (modules with children), else its top-level children holding parameters; the rest of
+    the parameters stay with the root's unit. Empty (full offload and FSDP2 not planned, said in
+    ``notes``) when the profiled torch has no FSDP2."""
     version = str((trace.header.get("host") or {}).get("torch") or "")
     found = re.match(r"(\d+)\.(\d+)", version)
     if found and (int(found[1]), int(found[2])) < FSDP2_TORCH:
         if notes is not None:
             notes.append(f"full offload not planned: torch {version} has no FSDP2 (torch >= 2.4)")
-        return ()
+        return (), ()
     if not trace.models:
-        return ()
+        return (), ()
     info = max(trace.models, key=lambda m: sum(m.param_bytes))
     sums = subtree_sums(info, info.param_bytes)
     kids = children(info)
     units = [i for group in repeated_blocks(info) if kids[group[0]] for i in group]  # blocks, not leaves
     if not units:
         units = [k for k in kids[0] if sums[k] > 0]
-    return tuple(sums[i] for i in units)
+    return tuple(info.names[i] for i in units), tuple(sums[i] for i in units)

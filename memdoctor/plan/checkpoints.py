@@ -13,10 +13,11 @@ from memdoctor.plan.memory import (
     activation_scale,
     checkpointed_gradients,
     offloaded_state,
+    ranks,
     reserved_ratio,
-    step_floor,
 )
 from memdoctor.plan.model import Prediction
+from memdoctor.plan.parallel import engine_floor, sharded
 from memdoctor.plan.target import Target, fits, predict_for
 from memdoctor.plan.workload import Candidate, Workload
 
@@ -66,11 +67,13 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     p0 = predict_for(w, config, target)
     parts = dict(p0.breakdown)
     # Count as ``predict`` does for the checkpointed config: its gradients (a share of them with
-    # checkpointing alone), its allocator slack, the optimizer step's own peak.
+    # checkpointing alone; FSDP2's sharded ones as they are), its allocator slack, the optimizer step's
+    # own peak.
     _, grads = offloaded_state(w, config, [])
-    parts["gradients"] = checkpointed_gradients(grads, config)
+    grads = checkpointed_gradients(grads, config)
+    parts["gradients"] = -(-grads // ranks(config)) if sharded(config) and not config.full_offload else grads
     rest = sum(parts.values()) - parts["activations"]
-    floor = step_floor(w, config, parts, [])
+    floor = engine_floor(w, config, parts, [])
     allowed = target.limit_bytes / reserved_ratio(w, dataclasses.replace(config, checkpoint=("",)))
     room = allowed - rest
     if room <= 0 or floor > allowed:

@@ -12,7 +12,8 @@ from typing import Any
 from memdoctor.analysis.layers import layer_table, outside_holders, repeated_blocks
 from memdoctor.analysis.precision import already_half, measured_steps, module_precision
 from memdoctor.analysis.steps import peak_step
-from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_units
+from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_holders, shard_blocks
+from memdoctor.plan.comm import measured_link
 from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.padding import padding_facts
 from memdoctor.plan.splits import output_bytes, split_of
@@ -87,6 +88,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     split = split_of(trace)
     if split.why_not:
         notes.append(split.why_not)
+    names, units = shard_blocks(trace, notes)
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, own, notes)
@@ -126,7 +128,10 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         peak_fraction=(summary.get("compute") or {}).get("peak_fraction"),
         scale_window_log2=_window(summary),
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
-        shard_units=shard_units(trace, notes),
+        shard_units=units,
+        shard_names=names,
+        optimizer_ms=(summary.get("phases_ms") or {}).get("optimizer"),
+        **measured_link(trace, summary),
         outside_bytes=_outside_bytes(outside, notes),
         root_output_bytes=output_bytes(trace, batch_size(summary)),
         script_autocast=script.get("autocast"),

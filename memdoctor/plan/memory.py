@@ -54,8 +54,8 @@ def memory_parts(
             "temporaries": w.temporaries,
             "fixed": w.fixed,
         }
-    scale = 1.0 / config.accumulation_steps
-    if config.accumulation_steps > 1:
+    scale = rank_share(w, config) / config.accumulation_steps
+    if config.accumulation_steps > 1 or config.parallel is not None:
         assumptions.append("activations and temporaries scale linearly with the micro-batch size")
     seq = padding_scale(w, config, assumptions)
     amp = activation_scale(w, config) / scale / seq
@@ -108,7 +108,8 @@ def joined_outputs(w: Workload, config: Config, assumptions: list[str]) -> int:
     k = config.accumulation_steps
     if k == 1 or w.split.kind != "forward" or not w.root_output_bytes:
         return 0
-    held = int(held_outputs(w.root_output_bytes, k) * padding_scale(w, config))
+    outputs = int(w.root_output_bytes * rank_share(w, config))  # a rank's share of the batch's outputs
+    held = int(held_outputs(outputs, k) * padding_scale(w, config))
     kept = (
         "joined back for the script, into its backward"
         if joined_back(w.root_output_bytes, k)
@@ -116,7 +117,7 @@ def joined_outputs(w: Workload, config: Config, assumptions: list[str]) -> int:
     )
     assumptions.append(
         f"the split inside the forward keeps the earlier {k - 1} micro-batches' outputs (of "
-        f"{w.root_output_bytes} bytes besides the loss for the whole batch) while the last one runs, "
+        f"{outputs} bytes besides the loss for the whole batch) while the last one runs, "
         f"{kept}: {held} bytes more at the peak (at their measured dtype: an upper bound where "
         "autocast is added)"
     )
@@ -167,7 +168,24 @@ def amp_assumption(w: Workload, config: Config, assumptions: list[str]) -> None:
 def activation_scale(w: Workload, config: Config) -> float:
     """What the micro-batch, the padding policy and autocast multiply the measured activations by."""
     amp = 1.0 - w.amp_share * (1.0 - AMP_ACTIVATION_FACTOR) if w.adds_autocast(config.precision) else 1.0
-    return amp * padding_scale(w, config) / config.accumulation_steps
+    return amp * padding_scale(w, config) * rank_share(w, config) / config.accumulation_steps
+
+
+def ranks(config: Config) -> int:
+    """The processes ``config`` spreads the step over: ``gpus`` with a parallel engine, else 1."""
+    return config.gpus if config.parallel is not None and config.gpus > 1 else 1
+
+
+def rank_share(w: Workload, config: Config) -> float:
+    """The share of the measured batch one rank computes: the global batch is split over the ranks (the
+    same effective batch; memdoctor run splits each batch, keeping the script's optimizer-step count),
+    so a rank's batch is ceil(B / N) of the measured B (1/N where B was not measured)."""
+    n = ranks(config)
+    if n == 1:
+        return 1.0
+    if w.batch_size:
+        return -(-w.batch_size // n) / w.batch_size
+    return 1.0 / n
 
 
 def padding_scale(w: Workload, config: Config, assumptions: list[str] | None = None) -> float:

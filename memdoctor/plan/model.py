@@ -9,18 +9,21 @@ assumptions they rest on.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from memdoctor.plan.candidates import shard_blocks
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.memory import (
     EXPANDABLE_GAP_KEPT,
     memory_parts,
     outermost,
+    ranks,
     reserved_ratio,
-    step_floor,
 )
+from memdoctor.plan.parallel import engine_floor, engine_parts, from_rank
 from memdoctor.plan.reprofiled import reprofiled_workload
 from memdoctor.plan.timing import Link, time_model
 from memdoctor.plan.workload import Workload
@@ -58,8 +61,13 @@ class Prediction:
 def workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     """What the planner plans from: the trace's own measurements (``measured_workload``) or, when the run
     died before its first forward finished and ``memdoctor profile`` re-profiled it at a smaller
-    micro-batch, that measurement scaled back to the full batch (``memdoctor.plan.reprofiled``)."""
-    return reprofiled_workload(trace) or measured_workload(trace, summary)
+    micro-batch, that measurement scaled back to the full batch (``memdoctor.plan.reprofiled``). A rank's
+    trace (several GPUs) is planned from its one-process equivalent (``memdoctor.plan.parallel``)."""
+    w = reprofiled_workload(trace) or measured_workload(trace, summary)
+    if w is not None and w.shard_units and not w.shard_names:  # a re-profile recorded before names
+        names, units = shard_blocks(trace)
+        w = dataclasses.replace(w, shard_names=names) if units == w.shard_units else w
+    return None if w is None else from_rank(w, trace, summary)
 
 
 def predict(
@@ -75,11 +83,12 @@ def predict(
     ``card_name``: the target card, for its datasheet 16-bit speed-up (default: the profiled GPU)."""
     assumptions = list(w.notes)
     chosen = outermost([c for c in w.candidates if c.name in set(config.checkpoint)])
-    parts = memory_parts(w, config, chosen, assumptions)
+    parts = engine_parts(w, config, memory_parts(w, config, chosen, assumptions), assumptions)
     allocated = sum(parts.values())
-    floor = step_floor(w, config, parts, assumptions)
+    floor = engine_floor(w, config, parts, assumptions)
     if config != Config():
-        if not (chosen and config.accumulation_steps == 1):
+        same_shape = ranks(config) > 1 and config.accumulation_steps == 1 and not config.full_offload
+        if not (chosen and config.accumulation_steps == 1) and not same_shape:
             assumptions.append(
                 "gradients counted in full alongside the remaining activations (they are, from the "
                 "second micro-batch on)"

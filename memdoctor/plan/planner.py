@@ -27,6 +27,7 @@ from memdoctor.plan.checkpoints import with_checkpoints
 from memdoctor.plan.config import Config
 from memdoctor.plan.model import Prediction
 from memdoctor.plan.padding import PAD_MULTIPLE
+from memdoctor.plan.parallel import GPU_COUNTS, splits_over
 from memdoctor.plan.target import (
     DEFAULT_PRIORITY,
     SAFETY_MARGIN,
@@ -77,6 +78,7 @@ class Plan:
             "limit_bytes": self.target.limit_bytes,
             "safety_margin": self.target.margin,
             "card": self.target.card.name if self.target.card else None,
+            "gpus": self.target.gpus,
             "fits": self.fits,
             "fits_as_is": self.fits_as_is,
             "measured_peak_bytes": self.measured_peak_bytes,
@@ -119,8 +121,14 @@ def make_plan(
 
 def _search(w: Workload, target: Target, priority: Sequence[str] | None, avoid: frozenset[str]) -> Plan:
     base = predict_for(w, Config(), target)
-    if fits(base, target) and not known_oom(w, base.config, target):
+    if target.gpus == 1 and fits(base, target) and not known_oom(w, base.config, target):
         return Plan(target, base, base, base, True, w.peak_bytes)
+    if not splits_over(w, target.gpus):
+        why = (
+            f"the measured batch of {w.batch_size} samples cannot be split over {target.gpus} GPUs "
+            "(each rank needs at least one sample)"
+        )
+        return Plan(target, base, None, base, False, w.peak_bytes, [why], reason=why)
     order = list(priority or DEFAULT_PRIORITY)
     tried: list[Prediction] = []
     # A fitting config ``memdoctor run`` cannot apply to this script (the 8-bit optimizer: the script
@@ -256,6 +264,9 @@ def what_would_fit(w: Workload, target: Target, closest: Prediction) -> list[str
         f"{format_bytes(target.limit_bytes)} the budget allows after the {target.margin:.0%} margin"
     ]
     state = w.parameters + w.gradients + w.optimizer_state
+    if target.gpus > 1:
+        out[0] = out[0].replace("nothing modelled fits", f"nothing modelled fits on {target.gpus} GPUs", 1)
+        state = state // target.gpus  # a rank's share under FSDP2
     if state >= target.limit_bytes and not target.offloads(w):
         out.append(
             f"parameters, gradients and optimizer state alone take {format_bytes(state)}: more memory is "
@@ -303,13 +314,46 @@ def truncation_alternative(w: Workload, target: Target) -> Prediction | None:
     return None
 
 
+def gpus_needed(w: Workload, target: Target, priority: Sequence[str] | None = None) -> Plan | None:
+    """The plan on the fewest cards like ``target``'s, more than its ``gpus``, that fits (of
+    ``GPU_COUNTS``, as many as the measured batch can be split over); None when none does. The largest
+    count is tried first: when it does not fit, no smaller one does (a rank's share only shrinks)."""
+    counts = [m for m in GPU_COUNTS if m > target.gpus and splits_over(w, m)]
+    if not counts or not make_plan(w, dataclasses.replace(target, gpus=counts[-1]), priority).fits:
+        return None
+    for m in counts:
+        plan = make_plan(w, dataclasses.replace(target, gpus=m), priority)
+        if plan.fits:
+            return plan
+    return None
+
+
+def needed_words(target: Target, found: Plan | None, w: Workload) -> str:
+    """One sentence: how many cards like ``target``'s the plan needs, when its ``gpus`` are not enough."""
+    have = f"{target.gpus} GPU{'s' if target.gpus > 1 else ''}"
+    if found is None:
+        most = max((m for m in GPU_COUNTS if splits_over(w, m)), default=target.gpus)
+        verb = "are" if target.gpus > 1 else "is"
+        return f"{have} {verb} not enough, and no plan on up to {most} fits either"
+    pick = found.chosen
+    assert pick is not None
+    ratio = pick.as_dict()["predicted_step_time_ratio"]
+    speed = f", step time x{ratio:.2f} of the profiled one" if ratio is not None else ""
+    return (
+        f"{have} {'are' if target.gpus > 1 else 'is'} not enough: {found.target.gpus} are, with "
+        f"{'; '.join(pick.config.levers())} ({format_bytes(pick.reserved_bytes)} predicted per card{speed})"
+    )
+
+
 def card_table(
-    w: Workload, margin: float = SAFETY_MARGIN, priority: Sequence[str] | None = None
+    w: Workload, margin: float = SAFETY_MARGIN, priority: Sequence[str] | None = None, gpus: int = 1
 ) -> list[dict[str, Any]]:
-    """ "Which card do I need": for every listed card, fits as-is / fits with a plan / does not fit."""
+    """ "Which cards, and how many": for every listed card, fits as-is / fits with a plan / does not fit
+    on ``gpus`` of them, and where it does not, the fewest that do (``gpus_needed``)."""
     rows = []
     for card in CARDS:
-        plan = make_plan(w, Target(card.usable_bytes, card, margin), priority)
+        target = Target(card.usable_bytes, card, margin, gpus)
+        plan = make_plan(w, target, priority)
         verdict = "fits as-is" if plan.fits_as_is else "fits with plan" if plan.fits else "does not fit"
         pick = plan.chosen or plan.closest
         rows.append(
@@ -325,6 +369,20 @@ def card_table(
                 "levers": pick.config.levers() if plan.fits and not plan.fits_as_is else [],
                 "predicted_reserved_bytes": pick.reserved_bytes,
                 "predicted_step_time_ratio": pick.as_dict()["predicted_step_time_ratio"],
+                "gpus": gpus,
+                "gpus_needed": None if plan.fits else needed_row(gpus_needed(w, target, priority)),
             }
         )
     return rows
+
+
+def needed_row(found: Plan | None) -> dict[str, Any] | None:
+    """The card table's ``gpus_needed``: the count and its plan, or None when no count fits."""
+    if found is None or found.chosen is None:
+        return None
+    return {
+        "gpus": found.target.gpus,
+        "levers": found.chosen.config.levers(),
+        "predicted_reserved_bytes": found.chosen.reserved_bytes,
+        "predicted_step_time_ratio": found.chosen.as_dict()["predicted_step_time_ratio"],
+    }

@@ -185,6 +185,7 @@ def from_record(d: dict[str, Any]) -> Workload:
     values["padding"] = None if pad is None else Padding(**{**pad, "longest": tuple(pad["longest"])})
     values["param_holders"] = [ParamHolder(**h) for h in d.get("param_holders") or []]
     values["shard_units"] = tuple(int(b) for b in d.get("shard_units") or ())
+    values["shard_names"] = tuple(str(n) for n in d.get("shard_names") or ())
     values["optimizer_classes"] = tuple(str(c) for c in d.get("optimizer_classes") or ())
     window = d.get("scale_window_log2")
     values["scale_window_log2"] = tuple(window) if window else None

@@ -18,7 +18,8 @@ from memdoctor.plan.agreement import plan_notes
 from memdoctor.plan.alternatives import alternatives
 from memdoctor.plan.model import workload
 from memdoctor.plan.ninegrid import ninegrid, priority
-from memdoctor.plan.planner import make_plan
+from memdoctor.plan.parallel import distributed
+from memdoctor.plan.planner import gpus_needed, make_plan, needed_row, needed_words
 from memdoctor.plan.reprofiled import advice as reprofile_advice
 from memdoctor.plan.reprofiled import peak_words
 from memdoctor.plan.reprofiled import summary_record as reprofile_record
@@ -43,6 +44,15 @@ def summary_target(summary: dict[str, Any]) -> Target | None:
     if device.get("kind") == "cuda" and total:
         return Target(int(total) - CONTEXT_RESERVE_BYTES)
     return None
+
+
+def ranks_target(trace: Trace, target: Target | None) -> Target | None:
+    """``target`` on as many cards as the trace's job had ranks (its header's ``distributed``): a
+    rank's trace is planned for the job it ran in."""
+    size = distributed(trace.header).get("world_size")
+    if target is None or not isinstance(size, int) or isinstance(size, bool) or size <= 1:
+        return target
+    return replace(target, gpus=size)
 
 
 def profiled_card(summary: dict[str, Any]) -> Card | None:
@@ -78,6 +88,12 @@ def doctor(trace: Trace, summary: dict[str, Any], target: Target | None) -> dict
         searched = target if choice.margin is None else replace(target, margin=choice.margin)
         made = make_plan(pw, searched, order, avoid=choice.avoided, exclude=choice.excluded)
         plan = {**made.as_dict(), "model": pw.model, "alternatives": alternatives(pw, searched, made)}
+        plan["gpus_needed"] = None
+        if not made.fits and made.reason is None:  # "which cards, and how many": the fewest that fit
+            needed = gpus_needed(pw, searched, order)
+            plan["gpus_needed"] = needed_row(needed)
+            at = 0 if searched.gpus > 1 else len(plan["advice"])  # first when the user asked for N
+            plan["advice"].insert(at, needed_words(searched, needed, pw))
         # what the plan's precision starts from (its "fp32" keeps a script's own autocast)
         plan["script_precision"] = w.script_precision
         plan["script_autocast"] = w.script_autocast
@@ -157,7 +173,7 @@ def _verified_advice(choice: Search) -> str:
 def summarize(trace: Trace, summary: dict[str, Any]) -> None:
     """``ninegrid``, ``lever_priority``, ``findings`` and ``plan`` (null when there is no budget or no
     memory figure)."""
-    out = doctor(trace, summary, summary_target(summary))
+    out = doctor(trace, summary, ranks_target(trace, summary_target(summary)))
     summary["ninegrid"] = out["ninegrid"]
     summary["lever_priority"] = out["lever_priority"]
     summary["findings"] = out["findings"]

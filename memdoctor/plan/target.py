@@ -26,9 +26,10 @@ DEFAULT_PRIORITY = tuple(lever_priority(None))
 class Target:
     """What the plan must fit: a byte budget, and the card's traits when one is named."""
 
-    budget_bytes: int
+    budget_bytes: int  # per card
     card: Card | None = None
     margin: float = SAFETY_MARGIN
+    gpus: int = 1  # cards (one process each): above 1, every config searched spreads over them
 
     @property
     def limit_bytes(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
 from memdoctor.plan.padding import PAD_MULTIPLE
+from memdoctor.plan.parallel import spread
 from memdoctor.plan.target import Target, fp16_allowed
 from memdoctor.plan.workload import Workload
 
@@ -55,13 +56,14 @@ def tier_one(w: Workload, target: Target) -> list[Config]:
     measured ranges keep it safe (``Target.fp16_first``)."""
     precisions = ["fp32"] + (["bf16"] if target.bf16(w) and w.script_autocast is None else [])
     precisions += ["fp16"] if target.fp16_first(w) else []
-    return [
+    configs = [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a in accumulations(w)
         for p in precisions
         for o in optimizer_placements(w, ("as-is", "offload"), target)
         for extra in _free_levers(w, target)
     ] + full_offload_configs(w, target, precisions)
+    return spread(w, target.gpus, configs)
 
 
 def tier_two(w: Workload, target: Target) -> list[Config]:
@@ -73,11 +75,12 @@ def tier_two(w: Workload, target: Target) -> list[Config]:
     placements = optimizer_placements(w, ("as-is", "8bit", "offload"), target)
     combos = itertools.product(accumulations(w), precisions, placements, _free_levers(w, target))
     new_fp16 = not target.fp16_first(w)  # else tier one tried fp16 already, without the 8-bit optimizer
-    return [
+    configs = [
         Config(accumulation_steps=a, precision=p, optimizer=o, **extra)
         for a, p, o, extra in combos
         if (p == "fp16" and new_fp16) or o == "8bit"
     ] + full_offload_configs(w, target, [p for p in precisions if p == "fp16" and new_fp16])
+    return spread(w, target.gpus, configs)
 
 
 def full_offload_configs(w: Workload, target: Target, precisions: list[str]) -> list[Config]:

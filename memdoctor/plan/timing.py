@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memdoctor.analysis.flops import device_peaks
+from memdoctor.plan.comm import collective_rate, moved_bytes
 from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
+from memdoctor.plan.memory import ranks
 from memdoctor.plan.workload import Candidate, Workload
 
 # Time: the share of forward+backward time that does not shrink with a smaller micro-batch (kernel
@@ -71,7 +73,79 @@ def time_model(
     _more_time(w, config, target, assumptions, basis, out)
     if config.full_offload:
         _full_offload_ms(w, config, target, assumptions, basis, out)
+    if ranks(config) > 1:
+        _parallel_ms(w, config, target, assumptions, basis, out)
     return out
+
+
+def compute_factor(w: Workload, n: int) -> float:
+    """A rank's forward+backward time over one process's, with the batch split over ``n`` ranks: the
+    share of it that is fixed per micro-batch (``ACCUMULATION_FIXED_SHARE`` by the measured compute
+    class) stays, the rest shrinks with the batch; fully linear (a lower bound on time) where the
+    compute class was not measured."""
+    share = ACCUMULATION_FIXED_SHARE.get(w.compute_class, 0.0)
+    return share + (1.0 - share) / n
+
+
+def _parallel_ms(
+    w: Workload,
+    config: Config,
+    target: Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+    out: dict[str, float | None],
+) -> None:
+    """What spreading the step over the ranks changes: a rank's share of the batch (the compute-bound
+    parts above shrink with it, ``compute_factor``), FSDP2's share of the optimizer step, and the
+    collectives (``memdoctor.plan.comm``), not overlapped with compute (an upper bound: DDP overlaps
+    its all-reduce with backward, FSDP2 prefetches; not calibrated)."""
+    n = ranks(config)
+    factor = compute_factor(w, n)
+    for part in ("recompute", "autocast", "padding"):
+        if out.get(part) is not None:
+            out[part] = out[part] * factor  # type: ignore[operator]
+    fixed = ACCUMULATION_FIXED_SHARE.get(w.compute_class)
+    how = (
+        f"{fixed:.0%} of it fixed per micro-batch (compute class {w.compute_class})"
+        if fixed is not None
+        else "compute class not measured: taken as linear in the batch (a lower bound on time)"
+    )
+    out["data_parallel"] = None if w.fwd_bwd_ms is None else w.fwd_bwd_ms * (factor - 1.0)
+    basis["data_parallel"] = (
+        f"assumption: a rank computes 1/{n} of the batch; forward+backward x{factor:.2f}, {how}"
+        if w.fwd_bwd_ms is not None
+        else "unknown: no forward/backward time measured"
+    )
+    if config.parallel != "ddp" and not config.full_offload and w.optimizer_ms:
+        out["sharded_optimizer"] = w.optimizer_ms * (1.0 / n - 1.0)
+        basis["sharded_optimizer"] = (
+            f"measured optimizer phase ({w.optimizer_ms:.1f} ms), 1/{n} of it per rank"
+        )
+    _communication_ms(w, config, target, assumptions, basis, out)
+
+
+def _communication_ms(
+    w: Workload,
+    config: Config,
+    target: Link,
+    assumptions: list[str],
+    basis: dict[str, str],
+    out: dict[str, float | None],
+) -> None:
+    moved = moved_bytes(w, config)
+    rate = collective_rate(w, target.card)
+    total = sum(moved.values())
+    ops = ", ".join(f"{op.replace('_', '-')} {b / 1e9:.3f} GB" for op, b in moved.items())
+    if rate is None:
+        out["communication"] = None
+        basis["communication"] = f"unknown: no link rate measured or known ({ops} a step)"
+        return
+    out["communication"] = 1e3 * total / rate[0]
+    basis["communication"] = f"{rate[1]}; {ops} a step over each rank's link"
+    assumptions.append(
+        f"communication ({ops} a step) not overlapped with compute (an upper bound; DDP overlaps its "
+        "all-reduce with backward and FSDP2 prefetches, not calibrated)"
+    )
 
 
 def _recompute_ms(
@@ -119,12 +193,14 @@ def _full_offload_ms(
     step on the host (at the rate the profile measured on this host, else ``CPU_OPTIMIZER_BYTES_PER_S``)."""
     units = sum(w.shard_units)
     root = max(0, w.parameters - units)
-    moved = (2 * units + root + w.gradients) * config.accumulation_steps
+    n = ranks(config)
+    moved = (2 * units + root + w.gradients) * config.accumulation_steps / n
     out["full_offload_transfers"] = _transfer_ms(w, moved, target, basis, "full_offload_transfers")
     assumptions.append(
         "full offload copies each shard unit's parameters to the device twice per micro-batch (forward "
         "and backward), the root's once, and every gradient back, not overlapped with compute (an upper "
         "bound: FSDP2 prefetches the next unit while one runs)"
+        + (f"; each of the {n} ranks copies its 1/{n} shard" if n > 1 else "")
     )
     stepped = w.parameters + w.gradients + w.optimizer_state
     rate = w.host_optimizer_bytes_per_s or CPU_OPTIMIZER_BYTES_PER_S
@@ -137,6 +213,7 @@ def _full_offload_ms(
     basis["cpu_optimizer"] = (
         f"{how}; the optimizer steps {stepped / 1e9:.2f} GB of parameters, gradients and state on the host "
         f"at {rate / 1e9:.1f} GB/s (the device's own step is not subtracted)"
+        + ("; the ranks share the host's cores: no faster than one process" if n > 1 else "")
     )
     assumptions.append(basis["cpu_optimizer"])
 

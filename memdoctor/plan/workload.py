@@ -117,6 +117,18 @@ class Workload:
     script_autocast: str | None = None
     script_precision: str | None = None
     script_tf32: bool | None = None  # the script's fp32 matmuls may use TF32 (a CUDA run; None: unknown)
+    # Module names of ``shard_units``, in the same order (FSDP2's ``shard_modules``); empty: not known.
+    shard_names: tuple[str, ...] = ()
+    # The measured optimizer phase of a step (ms): FSDP2 steps 1/N of the state on each rank.
+    optimizer_ms: float | None = None
+    # A measured collective rate between the ranks (the trace's ``device.link`` record: bus bytes a
+    # second of an all-reduce, its backend and world size); None: not measured.
+    link_bytes_per_s: float | None = None
+    link_backend: str | None = None
+    link_world_size: int | None = None
+    # The ranks of the job the trace measured (its header's ``distributed.world_size``): a rank's trace
+    # is planned from its one-process equivalent (``memdoctor.plan.parallel.from_rank``); 1: one process.
+    measured_world_size: int = 1
 
     def adds_autocast(self, precision: str) -> bool:
         """Whether a config's ``precision`` changes the script: autocast where it runs none. Under its
