@@ -26,11 +26,14 @@ import torch
 from torch import nn
 
 from memdoctor.capture.backwardsteps import BackwardSteps
+from memdoctor.capture.collectives import Collectives
 from memdoctor.capture.collectorcalls import CollectorCalls
 from memdoctor.capture.collectors import Collector
 from memdoctor.capture.discovery import DiscoveredModel, TrainedModels
+from memdoctor.capture.engines import Engines
 from memdoctor.capture.forwardstack import ForwardStack
 from memdoctor.capture.ledger import Ledger
+from memdoctor.capture.link import measure_link
 from memdoctor.capture.modulehooks import ModuleHooks
 from memdoctor.capture.optimizersteps import OptimizerSteps
 from memdoctor.capture.schedule import StepSchedule
@@ -92,6 +95,8 @@ class ProfileSession:
         self._done = False
         self._running = False
         self._data = StepData(step=0)
+        # The distributed engines the models run in (DDP's buckets, FSDP2's shards and buffers).
+        self._engines = Engines(lambda t: self._ledger.on_device(t), self._found.index, self.emit)
         # Which tensors the ledger counts: those on the profiled device (None: all of them, a CPU
         # session).
         self._ledger = Ledger(
@@ -102,8 +107,11 @@ class ProfileSession:
             self._found.optimizers,
             self._forward.frames,
             self._data,
+            self._engines,
         )
         self._writer = StepWriter(self)
+        self._collectives = Collectives(self)  # time and bytes in torch.distributed's collectives
+        self._link_measured = False
         self._new_step(first=True)
 
     # ------------------------------------------------------------------------------ the parts' figures
@@ -163,6 +171,7 @@ class ProfileSession:
         if self._running:
             return
         self._steps.install()
+        self._collectives.install()
         if self.detailed(0):
             self._module_hooks(True)
         self._running = True
@@ -176,9 +185,23 @@ class ProfileSession:
         """Remove every hook this session installed. Safe to call twice."""
         self._steps.remove()
         self._module_hooks(False)
+        self._engines.shards.remove()
+        self._collectives.remove()
         if self._running:
             self._calls.stop()
         self._running = False
+
+    def measure_link(self) -> None:
+        """Measure the link between the ranks once, if a process group of two or more is up, and write
+        the ``link`` record (``memdoctor.capture.link``). Called where every rank arrives together: the
+        requested steps reached, or a launcher's clean end of the script; never after a fault, where
+        the other ranks may be gone (it would wait for them up to ``link.WAIT_S``)."""
+        if self._link_measured:
+            return
+        self._link_measured = True
+        data = self._calls.guarded("link bandwidth", measure_link, self.device)
+        if data is not None:
+            self.emit("link", data)
 
     def see_saved(self, tensor: torch.Tensor) -> None:
         """A tensor a checkpointed module's forward saves, which the checkpoint drops (its own hook
@@ -311,6 +334,8 @@ class ProfileSession:
         if self._done:
             return
         new_root = self._found.saw_root(module)
+        if new_root:
+            self._engines.see(module)
         if new_root or self._ledger.params_stale or (not data.forwards and self.detailed(self._step_index)):
             # Recounted at each ledger step's first forward (not on timing steps, whose hot path this
             # is): parameters moved (offloaded, or back) since count where they are now.
@@ -354,6 +379,7 @@ class ProfileSession:
             self._hooks.watch_grads(model)
         self._ledger.note_params()
         self.sink(model.info.to_record())
+        self._engines.see(model.modules[0])
         self._calls.each("on_model", model.info.index, model.modules[0])
 
     def discover_seen(self) -> None:
@@ -366,6 +392,8 @@ class ProfileSession:
 
     def _new_step(self, first: bool = False, carry: list[Sample] | None = None) -> None:
         self._data = self._ledger.data = StepData(step=self._step_index)
+        shards = self._engines.shards
+        shards.peak, shards.watching = self._data.sharding_bytes, self.detailed(self._step_index)
         self._cycle.new_step()
         if not first:
             self.device.reset_peak()
@@ -388,6 +416,7 @@ class ProfileSession:
         if self._step_index >= self.warmup + self.steps and not self._done:
             self._done = True
             self._emit_ready(wait=True)
+            self.measure_link()  # every rank reaches the same step: the link is measured here, once
             if self.on_done is not None:
                 self.on_done()
 

@@ -130,6 +130,9 @@ class StepRecord:
     grad_scaler: dict[str, Any] | None = None
     # What each collector measured in this step (memdoctor.capture.collectors): name -> its data.
     collectors: dict[str, Any] = field(default_factory=dict)
+    # {ms, calls, bytes, by_op, ...}: this rank's time in torch.distributed's collectives in the step
+    # (memdoctor.capture.collectives); None in one process and in older traces.
+    collectives: dict[str, Any] | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -138,6 +141,7 @@ class StepRecord:
             **({"grad_norm": self.grad_norm} if self.grad_norm is not None else {}),
             **({"grad_scaler": self.grad_scaler} if self.grad_scaler is not None else {}),
             **({"collectors": self.collectors} if self.collectors else {}),
+            **({"collectives": self.collectives} if self.collectives is not None else {}),
             "step": self.step,
             "warmup": self.warmup,
             "complete": self.complete,
@@ -173,6 +177,7 @@ class StepRecord:
             grad_norm=rec["grad_norm"] if isinstance(rec.get("grad_norm"), dict) else None,
             grad_scaler=_grad_scaler(rec.get("grad_scaler")),
             collectors=_dict(rec, "collectors", {}),
+            collectives=rec["collectives"] if isinstance(rec.get("collectives"), dict) else None,
         )
 
 
