@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memdoctor.capture import link
 from memdoctor.capture.session import ProfileSession
 from memdoctor.trace import TRACE_FILENAME, TraceWriter, load_trace, make_end, make_header
 
 STEPS, WARMUP = 3, 1
 ITERATIONS = WARMUP + STEPS + 1  # the forward after the last profiled step ends it
+UNEVEN_WAIT_S = 1.0
 WATCHED = "blocks.1.fc2"  # the module at whose forward the FSDP2 test reads the gathered buffers
 
 
@@ -52,10 +55,25 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def run(rank: int, world: int, port: int, out: str, engine: str, option: bool) -> None:
+def launch(out: Path, engine: str, option: bool, uneven: bool = False) -> None:
+    """Run ``run`` on two ranks (fork), each writing ``out/rank-K``."""
+    import torch._dynamo  # noqa: F401  (DDP imports it: once here, not once per rank)
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(run, args=(2, port, str(out), engine, option, uneven), nprocs=2, start_method="fork")
+
+
+def run(rank: int, world: int, port: int, out: str, engine: str, option: bool, uneven: bool) -> None:
     """``engine``: ``ddp`` (``option``: gradient_as_bucket_view) or ``fsdp2`` (``option``:
-    reshard_after_forward)."""
+    reshard_after_forward). ``uneven``: rank 1 profiles one step fewer, so the ranks reach the link
+    measurement at different steps, and each may wait for the other only ``UNEVEN_WAIT_S``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if uneven:
+        link.WAIT_S = UNEVEN_WAIT_S
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     net = Net()
@@ -78,7 +96,8 @@ def run(rank: int, world: int, port: int, out: str, engine: str, option: bool) -
     folder.mkdir(parents=True)
     writer = TraceWriter(folder / TRACE_FILENAME, fsync=False)
     writer.write(make_header(device={"kind": "cpu"}, settings={"warmup": WARMUP, "steps": STEPS}))
-    with ProfileSession(steps=STEPS, warmup=WARMUP, sink=writer.write) as session:
+    steps = STEPS - 1 if uneven and rank == 1 else STEPS
+    with ProfileSession(steps=steps, warmup=WARMUP, sink=writer.write) as session:
         for _ in range(ITERATIONS):
             buckets.clear()
             loss = model(torch.randn(8, 16, generator=gen)).pow(2).mean()

@@ -28,8 +28,10 @@ POLL_S = 0.01
 _rounds = itertools.count()  # the same on every rank of an SPMD job: the store keys of each measurement
 
 
-def measure_link(device: Device, wait_s: float = WAIT_S) -> dict[str, Any] | None:
-    """The ``link`` record's data, or None without a process group of two or more ranks."""
+def measure_link(device: Device, wait_s: float | None = None) -> dict[str, Any] | None:
+    """The ``link`` record's data, or None without a process group of two or more ranks; the ranks
+    wait ``wait_s`` (default ``WAIT_S``) for each other at most."""
+    wait_s = WAIT_S if wait_s is None else wait_s
     dist = torch.distributed
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
