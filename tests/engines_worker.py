@@ -57,8 +57,6 @@ class Net(nn.Module):
 
 def launch(out: Path, engine: str, option: bool, uneven: bool = False) -> None:
     """Run ``run`` on two ranks (fork), each writing ``out/rank-K``."""
-    import torch._dynamo  # noqa: F401  (DDP imports it: once here, not once per rank)
-    import torch.distributed.fsdp  # noqa: F401
     import torch.multiprocessing as mp
 
     with socket.socket() as s:

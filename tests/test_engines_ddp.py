@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from engines_worker import STEPS, UNEVEN_WAIT_S, launch, load
 
 

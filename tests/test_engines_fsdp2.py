@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engines_worker import STEPS, WARMUP, WATCHED, Net, launch, load
+
 from memdoctor.capture.session import ProfileSession
 
 
@@ -24,8 +24,13 @@ def _plain_activations() -> int:
             opt.step()
             opt.zero_grad()
     tl = next(r for r in records if r["type"] == "step")["timeline"]
-    ends = [i for i, (e, d) in enumerate(zip(tl["event"], tl["depth"])) if e == "fwd_post" and d == 0]
-    return tl["activations"][ends[0]]
+    return tl["activations"][_samples(tl, "fwd_post", "depth", 0)[0]]
+
+
+def _samples(tl: dict, event: str, column: str, value: int) -> list[int]:
+    """The timeline samples of ``event`` whose ``column`` is ``value``."""
+    pairs = zip(tl["event"], tl[column], strict=True)
+    return [i for i, (e, v) in enumerate(pairs) if e == event and v == value]
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -48,11 +53,11 @@ def test_fsdp2_ledger_equals_the_tensors(tmp_path, reshard):
             assert tl["gradients"][end] == held["gradient_storages"]
             assert tl["optimizer_state"][end] == held["optimizer_state"]
             assert tl["sharding_buffers"][end] == 0  # all resharded, the reduce-scatter inputs let go
-            at = [i for i, (e, m) in enumerate(zip(tl["event"], tl["module"])) if e == "fwd_post" and m == watched]
+            at = _samples(tl, "fwd_post", "module", watched)
             assert [tl["sharding_buffers"][i] for i in at] == [truth["forward"][step.step]]
             assert truth["forward"][step.step] > 0
-            roots = [i for i, (e, d) in enumerate(zip(tl["event"], tl["depth"])) if e == "fwd_post" and d == 0]
-            assert tl["activations"][roots[0]] == plain  # the gathered weights autograd saved: not activations
+            # The gathered weights autograd saves are not activations: as many as in one plain process.
+            assert tl["activations"][_samples(tl, "fwd_post", "depth", 0)[0]] == plain
             _assert_collectives(step.collectives, sharded, groups, reshard)
         for step in trace.steps[WARMUP:]:  # the modules are known from the first optimizer step on
             cats = step.memory["categories_at_peak"]

@@ -9,6 +9,10 @@ only, and such calls are counted apart (``async_calls``). A collective made insi
 (``all_gather_object`` calls ``all_gather``) counts once, as the inner primitive. Not seen here: DDP's
 bucket all-reduces (its C++ reducer calls the process group directly), functional collectives
 (``torch.distributed._functional_collectives``: DTensor's redistributions) and calls made from C++.
+DDP's could be seen through a comm hook, but that would change the script: DDP takes one hook only
+(the script's own ``register_comm_hook`` would then fail), and a Python hook averages the buckets
+with a division where the reducer multiplies by 1/world_size, which rounds differently. So a DDP
+step's ``collectives`` says they are not measured.
 
 Written as the step record's ``collectives`` only while a process group is initialised: a one-process
 script gets no new field, and costs only the wrappers' installation.

@@ -177,8 +177,25 @@ class StepRecord:
             grad_norm=rec["grad_norm"] if isinstance(rec.get("grad_norm"), dict) else None,
             grad_scaler=_grad_scaler(rec.get("grad_scaler")),
             collectors=_dict(rec, "collectors", {}),
-            collectives=rec["collectives"] if isinstance(rec.get("collectives"), dict) else None,
+            collectives=_collectives(rec.get("collectives")),
         )
+
+
+def _collectives(value: Any) -> dict[str, Any] | None:
+    """The step's ``collectives`` where its totals are numbers (``ms``, ``calls``, ``bytes``) and
+    ``by_op`` maps names to such rows; None (not measured) for anything else."""
+
+    def figure(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+
+    def row(v: Any) -> bool:
+        return isinstance(v, dict) and all(figure(v.get(k)) for k in ("ms", "calls", "bytes"))
+
+    if not row(value) or not isinstance(value.get("by_op", {}), dict):
+        return None
+    if not all(row(v) for v in value.get("by_op", {}).values()):
+        return None
+    return dict(value)
 
 
 def _grad_scaler(value: Any) -> dict[str, Any] | None:
