@@ -117,3 +117,19 @@ def test_the_link_agreement_goes_when_every_rank_arrives():
     for th in threads:
         th.join(10)
     assert answers == [True, True, True]
+
+
+def test_a_step_reads_collectives_only_where_their_figures_are_numbers():
+    from memdoctor.trace import StepRecord
+
+    base = {"step": 0, "memory": {}, "modules": {}, "timeline": {}}
+    good = {"ms": 1.5, "calls": 2, "bytes": 64, "by_op": {"all_reduce": {"ms": 1.5, "calls": 2, "bytes": 64}}}
+    assert StepRecord.from_record({**base, "collectives": good}).collectives == good
+    for bad in (
+        {"ms": "1", "calls": 2, "bytes": 64},
+        {**good, "by_op": {"x": {"ms": -1, "calls": 1, "bytes": 0}}},
+        [],
+    ):
+        assert StepRecord.from_record({**base, "collectives": bad}).collectives is None
+    assert StepRecord.from_record(base).collectives is None
+    assert "collectives" not in StepRecord.from_record(base).to_record()

@@ -50,7 +50,7 @@ class Engines:
         self.bucket_bytes = 0  # every DDP's buckets
         self.bucket_params: dict[int, int] = {}  # id(parameter) -> its slot's bytes, where grads are views
         self.bucket_grads = 0  # bytes of the bucket-view gradients that exist now (the ledger keeps it)
-        self.shards = ShardBuffers(self._locate)
+        self.shards = ShardBuffers(self._locate, on_device)
         self._fsdp_roots: set[int] = set()
 
     @property

@@ -74,8 +74,11 @@ class ShardBuffers:
     must not count as an activation: autograd saves the gathered weight a forward used), and the step's
     most per module (``peak``, reset by the ledger at each step)."""
 
-    def __init__(self, locate: Callable[[Any], tuple[int, int] | None]) -> None:
+    def __init__(
+        self, locate: Callable[[Any], tuple[int, int] | None], on_device: Callable[[torch.Tensor], bool]
+    ) -> None:
         self.locate = locate  # group -> (model, module index) of its fully_shard module, once known
+        self.on_device = on_device  # on the profiled device (CPUOffloadPolicy keeps shards on the host)
         self.groups: dict[int, Any] = {}
         self.held: dict[int, dict[int, int]] = {}  # id(group) -> {storage address: bytes}
         self.ptrs: dict[int, int] = {}
@@ -163,18 +166,18 @@ class ShardBuffers:
         held: dict[int, int] = {}
         for fp in group.fsdp_params:
             for t in fp.all_gather_outputs:  # the unsharded parameters (freed to 0 bytes when resharded)
-                _hold(held, t)
+                self._hold(held, t)
             for t in getattr(fp, "_unsharded_inner_tensors", ()) or ():
-                _hold(held, t)
+                self._hold(held, t)
         pending = group._all_gather_result  # gathered (prefetched), not yet copied out
         if pending is not None:
-            _hold(held, pending.all_gather_output)
+            self._hold(held, pending.all_gather_output)
         reduce_state = getattr(group, "_all_reduce_state", None)  # HSDP's all-reduce input
         if reduce_state is not None:
-            _hold(held, reduce_state.all_reduce_input)
+            self._hold(held, reduce_state.all_reduce_input)
         partial = getattr(group, "_partial_reduce_output", None)
         if isinstance(partial, torch.Tensor):
-            _hold(held, partial)
+            self._hold(held, partial)
         self._shared(group.comm_ctx, id(group), held)
         gid = id(group)
         old = self.held.get(gid, {})
@@ -194,10 +197,18 @@ class ShardBuffers:
         until the next group's copy-out, its reduce-scatter inputs until they are reclaimed."""
         state = getattr(ctx, "all_gather_state", None)
         if state is not None and self._owner.get(id(state.all_gather_result)) == gid:
-            _hold(held, state.all_gather_result.all_gather_output)
+            self._hold(held, state.all_gather_result.all_gather_output)
         for rs in _reduce_scatter_states(ctx):
             if self._owner.get(id(rs.reduce_scatter_input)) == gid:
-                _hold(held, rs.reduce_scatter_input)
+                self._hold(held, rs.reduce_scatter_input)
+
+    def _hold(self, held: dict[int, int], t: torch.Tensor) -> None:
+        """Add ``t``'s storage, if it holds bytes on the profiled device."""
+        with contextlib.suppress(RuntimeError, NotImplementedError, AttributeError):
+            st = t.untyped_storage()
+            n = int(st.nbytes())
+            if n and self.on_device(t):
+                held[st.data_ptr()] = n
 
     def _prune(self) -> None:
         """Forget the owners of buffers no longer kept (their ids may be reused)."""
@@ -221,11 +232,3 @@ def _reduce_scatter_states(ctx: Any) -> list[Any]:
         return list(states)
     one = getattr(ctx, "reduce_scatter_state", None)
     return [one] if one is not None else []
-
-
-def _hold(held: dict[int, int], t: torch.Tensor) -> None:
-    with contextlib.suppress(RuntimeError, NotImplementedError, AttributeError):
-        st = t.untyped_storage()
-        n = int(st.nbytes())
-        if n:
-            held[st.data_ptr()] = n
