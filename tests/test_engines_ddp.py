@@ -37,6 +37,9 @@ def test_ddp_ledger_equals_the_tensors(tmp_path, bucket_view):
         (ddp,) = trace.collected["engines"]["ddp"]
         assert ddp["gradient_as_bucket_view"] is bucket_view
         assert ddp["bucket_bytes"] == truth["steps"][-1]["bucket_storages"]
+        # DDP's own logger timed its bucket all-reduces (an iteration's figures come with the next).
+        assert len(ddp["reducer_timings"]) >= STEPS - 1
+        assert all(t["comm_ms"] > 0 and t["compute_ms"] > 0 for t in ddp["reducer_timings"])
         link = trace.collected["link"]
         assert link["measured"] is True and link["world_size"] == 2 and link["backend"] == "gloo"
         assert link["bytes_per_s"] > 0

@@ -52,6 +52,7 @@ class Engines:
         self.bucket_grads = 0  # bytes of the bucket-view gradients that exist now (the ledger keeps it)
         self.shards = ShardBuffers(self._locate, on_device)
         self._fsdp_roots: set[int] = set()
+        self._reducer: dict[int, list[dict[str, float]]] = {}  # id(ddp) -> DDP's own backward timings
 
     @property
     def buckets_live(self) -> int:
@@ -81,6 +82,22 @@ class Engines:
             self._fsdp_roots.add(id(module))
             self.shards.add(fsdp_groups(module))
         if self.ddps or self.shards.groups:
+            self.emit(RECORD, self.facts())
+
+    def poll_ddp(self) -> None:
+        """Read DDP's own timing of its last sampled backward (its logger times the reducer's bucket
+        all-reduces, which no Python wrapper sees), once per new sample; the ``engines`` record is
+        written again with it. DDP samples its first 10 iterations, then one in 100 (its default),
+        and logs an iteration's figures as the next forward starts. Private API
+        (``_get_ddp_logging_data``), read behind a check: without it, nothing is added."""
+        changed = False
+        for ddp, _ in self.ddps:
+            seen = self._reducer.setdefault(id(ddp), [])
+            timing = _reducer_timing(ddp)
+            if timing is not None and (not seen or seen[-1]["start_ns"] != timing["start_ns"]):
+                seen.append(timing)
+                changed = True
+        if changed:
             self.emit(RECORD, self.facts())
 
     def _buckets(self, ddp: nn.parallel.DistributedDataParallel) -> int:
@@ -132,8 +149,11 @@ class Engines:
             "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
             "static_graph": bool(getattr(ddp, "static_graph", False)),
             # The reducer's all-reduces run in C++, not through torch.distributed's Python functions:
-            # they are not in the steps' ``collectives``.
+            # they are not in the steps' ``collectives``; DDP's own logger times them.
             "bucket_all_reduce_measured": False,
+            "reducer_timings": [
+                {k: v for k, v in t.items() if k != "start_ns"} for t in self._reducer.get(id(ddp), [])
+            ],
         }
 
     def _group_facts(self, group: Any) -> dict[str, Any]:
@@ -149,6 +169,22 @@ class Engines:
             "shard_world_size": _int_or_none(getattr(mesh, "shard_mesh_size", None)),
             "reshard_after_forward": _reshard(group),
         }
+
+
+def _reducer_timing(ddp: Any) -> dict[str, float] | None:
+    """DDP's logger's figures for its last sampled backward, in ms (None where it has none)."""
+    read = getattr(ddp, "_get_ddp_logging_data", None)
+    try:
+        data = read() if read is not None else {}
+    except Exception:
+        return None
+    start, comm = data.get("backward_comm_time_start"), data.get("backward_comm_time")
+    if not isinstance(start, int) or not start or not isinstance(comm, int):
+        return None
+    ms = {k: data.get(f"backward_{k}_time") for k in ("comm", "compute", "compute_comm_overlap")}
+    out: dict[str, float] = {"start_ns": float(start)}
+    out.update({f"{k}_ms": round(v / 1e6, 4) for k, v in ms.items() if isinstance(v, int)})
+    return out
 
 
 def _reshard(group: Any) -> bool | int | None:

@@ -396,6 +396,8 @@ class ProfileSession:
         shards.peak, shards.watching = self._data.sharding_bytes, self.detailed(self._step_index)
         self._cycle.new_step()
         if not first:
+            if self._engines.ddps:
+                self._engines.poll_ddp()
             self.device.reset_peak()
             self._schedule.start_history(self._data)
             self._notify_step_start()
