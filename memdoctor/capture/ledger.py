@@ -28,6 +28,8 @@ Loc = tuple[int, int]  # (model, module index)
 # Samples a step takes at tensors saved outside every module (the loop's loss), at most: enough for the
 # accounting to see what the loss holds as backward starts, bounded for loops with much code of their own.
 MAX_OUTSIDE_SAMPLES = 64
+# The depth-0 samples at which FSDP2's buffers are counted again (``Ledger.sample``).
+_BOUNDARIES = frozenset(("step_start", "fwd_pre", "opt_pre", "opt_post"))
 
 
 class Ledger:
@@ -86,7 +88,7 @@ class Ledger:
         if device.has_allocator and (depth == 0 or (depth == 1 and event[0] == "b")):
             mem = device.memory()
         engines = self.engines
-        if depth == 0 and engines.shards.groups:
+        if depth == 0 and engines.shards.groups and event in _BOUNDARIES:
             # FSDP2's buffers counted afresh at the step's boundaries: all timing steps see of them,
             # and what its root's final callback released outside any group call.
             engines.shards.refresh()
