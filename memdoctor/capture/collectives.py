@@ -1,4 +1,5 @@
-"""Time and bytes each step spends in ``torch.distributed``'s collectives, measured on this rank.
+"""Time and bytes each step spends in ``torch.distributed``'s collectives, measured on this rank; and,
+once, the link between the ranks (``memdoctor.capture.link``).
 
 Every collective a script, DDP's Python side or FSDP2 calls through ``torch.distributed`` (or its
 ``distributed_c10d`` module) is wrapped (``memdoctor.patching``, undone when the session stops) with a
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memdoctor import patching
+from memdoctor.capture.link import measure_link
 
 if TYPE_CHECKING:
     from memdoctor.capture.session import ProfileSession
@@ -71,6 +73,7 @@ class Collectives:
         self.calls: dict[int, list[tuple[str, int, Any, Any, bool]]] = {}
         self._undo: list[patching.Undo] = []
         self._inside = threading.local()
+        self._link_measured = False
 
     def install(self) -> None:
         dist = _dist()
@@ -111,6 +114,16 @@ class Collectives:
             return call
 
         return make
+
+    def measure_link(self) -> None:
+        """Once: the ``link`` record, if a process group of two or more ranks is up (``link.py``)."""
+        if self._link_measured:
+            return
+        self._link_measured = True
+        s = self.session
+        data = s._calls.guarded("link bandwidth", measure_link, s.device)
+        if data is not None:
+            s.emit("link", data)
 
     def step_field(self, step: int) -> dict[str, Any] | None:
         """The step record's ``collectives``; None without an initialised process group."""

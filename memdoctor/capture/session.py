@@ -33,7 +33,6 @@ from memdoctor.capture.discovery import DiscoveredModel, TrainedModels
 from memdoctor.capture.engines import Engines
 from memdoctor.capture.forwardstack import ForwardStack
 from memdoctor.capture.ledger import Ledger
-from memdoctor.capture.link import measure_link
 from memdoctor.capture.modulehooks import ModuleHooks
 from memdoctor.capture.optimizersteps import OptimizerSteps
 from memdoctor.capture.schedule import StepSchedule
@@ -111,7 +110,6 @@ class ProfileSession:
         )
         self._writer = StepWriter(self)
         self._collectives = Collectives(self)  # time and bytes in torch.distributed's collectives
-        self._link_measured = False
         self._new_step(first=True)
 
     # ------------------------------------------------------------------------------ the parts' figures
@@ -192,16 +190,10 @@ class ProfileSession:
         self._running = False
 
     def measure_link(self) -> None:
-        """Measure the link between the ranks once, if a process group of two or more is up, and write
-        the ``link`` record (``memdoctor.capture.link``). Called where every rank arrives together: the
-        requested steps reached, or a launcher's clean end of the script; never after a fault, where
-        the other ranks may be gone (it would wait for them up to ``link.WAIT_S``)."""
-        if self._link_measured:
-            return
-        self._link_measured = True
-        data = self._calls.guarded("link bandwidth", measure_link, self.device)
-        if data is not None:
-            self.emit("link", data)
+        """Measure the link between the ranks once (``Collectives.measure_link``): where every rank
+        arrives together, the requested steps reached or a launcher's clean end of the script; never
+        after a fault, where the other ranks may be gone (it would wait for them up to ``link.WAIT_S``)."""
+        self._collectives.measure_link()
 
     def see_saved(self, tensor: torch.Tensor) -> None:
         """A tensor a checkpointed module's forward saves, which the checkpoint drops (its own hook
