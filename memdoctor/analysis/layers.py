@@ -13,6 +13,9 @@ from memdoctor.analysis.numbers import opt_float, opt_int
 from memdoctor.trace import ModelInfo, StepRecord, Trace
 
 ACCOUNTED = ("parameters", "gradients", "optimizer_state", "activations")
+# What a rank's engine holds beyond those (docs/trace-format.md): DDP's gradient buckets, FSDP2's
+# gathered and reduce buffers; present only in traces of a run that had that engine.
+ENGINE_CATEGORIES = ("gradient_buckets", "sharding_buffers")
 # Trace columns that hold a module's exclusive figure for each accounted category.
 _OWN_COLUMNS = {"gradients": "grad_bytes", "optimizer_state": "optimizer_state_bytes"}
 MODULE_COLUMNS = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memdoctor.analysis.layers import ACCOUNTED, module_label
+from memdoctor.analysis.layers import ACCOUNTED, ENGINE_CATEGORIES, module_label
 from memdoctor.analysis.numbers import median, opt_int
 from memdoctor.trace import CATEGORIES, PHASES, StepRecord, Trace
 
@@ -43,22 +43,29 @@ def _sample_totals(step: StepRecord) -> list[int | None]:
 
 
 def category_columns(step: StepRecord) -> dict[str, list[Any]]:
-    n = len(step.timeline.get("t_ms") or [])
-    return {c: list(step.timeline.get(c) or [None] * n) for c in ACCOUNTED}
+    """The accounted categories per timeline sample, and the engines' where the run had them."""
+    tl = step.timeline
+    n = len(tl.get("t_ms") or [])
+    cols = {c: list(tl.get(c) or [None] * n) for c in ACCOUNTED}
+    cols.update({c: list(col) for c in ENGINE_CATEGORIES if (col := tl.get(c)) is not None})
+    return cols
 
 
 def categories_at_peak(step: StepRecord) -> dict[str, int | None]:
-    """Bytes per category at the step's peak; from the timeline when the record lacks them."""
+    """Bytes per category at the step's peak; from the timeline when the record lacks them. The
+    engines' categories are there only for a run that had them (a DDP or FSDP2 rank)."""
     cats = step.memory.get("categories_at_peak")
     if isinstance(cats, dict):
-        return {c: opt_int(cats.get(c)) for c in CATEGORIES}
+        out = {c: opt_int(cats.get(c)) for c in CATEGORIES}
+        out.update({c: opt_int(cats[c]) for c in ENGINE_CATEGORIES if c in cats})
+        return out
     totals = _sample_totals(step)
     if not totals:
         return dict.fromkeys(CATEGORIES)
     i = max(range(len(totals)), key=lambda k: totals[k] or 0)
-    out: dict[str, int | None] = {c: opt_int(col[i]) for c, col in category_columns(step).items()}
-    out["other"] = None
-    return out
+    found: dict[str, int | None] = {c: opt_int(col[i]) for c, col in category_columns(step).items()}
+    found["other"] = None
+    return found
 
 
 def median_phases(steps: list[StepRecord]) -> dict[str, float]:

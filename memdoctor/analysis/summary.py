@@ -14,7 +14,13 @@ from typing import Any
 from memdoctor.analysis import compiled, data, devicefacts, flops, histograms, precision, transfers, verified
 from memdoctor.analysis.faults import event_row, fault_info, live_at_fault
 from memdoctor.analysis.gradnorms import grad_flags, grad_norm_series
-from memdoctor.analysis.layers import ACCOUNTED, module_label, outside_holders, summary_layers
+from memdoctor.analysis.layers import (
+    ACCOUNTED,
+    ENGINE_CATEGORIES,
+    module_label,
+    outside_holders,
+    summary_layers,
+)
 from memdoctor.analysis.numbers import median
 from memdoctor.analysis.steps import (
     categories_at_peak,
@@ -179,7 +185,7 @@ def peak_figures(trace: Trace, step: StepRecord | None) -> dict[str, Any]:
         }
     peak = step_peak_bytes(step)
     cats = categories_at_peak(step)
-    accounted = sum(cats[c] or 0 for c in ACCOUNTED)
+    accounted = sum(cats.get(c) or 0 for c in (*ACCOUNTED, *ENGINE_CATEGORIES))
     mem = step.memory
     return {
         "peak_step": step.step,

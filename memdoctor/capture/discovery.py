@@ -12,6 +12,7 @@ names read as the user wrote them (``bert.encoder.layer.3``).
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,19 +157,43 @@ def _describe_optimizer(opt: torch.optim.Optimizer, owner: dict[int, int]) -> di
     }
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``t``: a ``DTensor``'s local shard (``to_local()``: FSDP2's sharded
+    parameters, their gradients and the optimizer state made from them), any other tensor itself.
+
+    A DTensor is a wrapper without storage of its own, so its bytes are its shard's. No DTensor can
+    exist before ``torch.distributed.tensor`` is imported, so a one-process script pays one dict read."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():  # without grad mode, to_local() is the shard itself: no autograd node
+            return t.to_local()
+    return t
+
+
 def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage: views and aliases share it, so it is counted once."""
+    """Identity of a tensor's storage (a DTensor's: its local shard's): views and aliases share it,
+    so it is counted once."""
     try:
-        return t.untyped_storage().data_ptr()
+        return local_tensor(t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, AttributeError):
         return id(t)
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's storage (a DTensor's: its local shard's, padding included)."""
+    t = local_tensor(t)
     try:
         return int(t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError, AttributeError):
         return t.numel() * t.element_size()
+
+
+def own_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the elements of ``t`` itself (a DTensor's: its local shard's), not of the storage it
+    views: a gradient that is one slot of a flat buffer (DDP's bucket, FSDP2's reduce-scatter output)."""
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
 
 
 class TrainedModels:

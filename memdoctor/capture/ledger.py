@@ -2,9 +2,10 @@
 activations autograd saved, counted as they change, and mapped to the modules that own them.
 
 The session's hooks call in here; every figure is a running counter (``params_bytes``, ``grads_live``,
-``opt_bytes``, ``act_live``) that a sample copies, so no hook scans memory on the hot path. Only tensors
-in the profiled device's memory count (``resident``): offload keeps optimizer state, and chosen
-parameters and their gradients, on the host, which the allocator does not hold either.
+``opt_bytes``, ``act_live``, and the engines' ``buckets_live`` and ``sharding_live``) that a sample
+copies, so no hook scans memory on the hot path. Only tensors in the profiled device's memory count
+(``resident``): offload keeps optimizer state, and chosen parameters and their gradients, on the host,
+which the allocator does not hold either. A DTensor (FSDP2's shards) counts as its local shard.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from memdoctor.capture.codesite import caller_site
-from memdoctor.capture.discovery import DiscoveredModel, storage_key, storage_nbytes
+from memdoctor.capture.discovery import DiscoveredModel, local_tensor, own_nbytes, storage_key, storage_nbytes
+from memdoctor.capture.engines import Engines
 from memdoctor.capture.sessionhooks import Frame, Freed
 from memdoctor.capture.stepbuild import Sample, StepData
 from memdoctor.device import Device
@@ -26,6 +28,8 @@ Loc = tuple[int, int]  # (model, module index)
 # Samples a step takes at tensors saved outside every module (the loop's loss), at most: enough for the
 # accounting to see what the loss holds as backward starts, bounded for loops with much code of their own.
 MAX_OUTSIDE_SAMPLES = 64
+# The depth-0 samples at which FSDP2's buffers are counted again (``Ledger.sample``).
+_BOUNDARIES = frozenset(("step_start", "fwd_pre", "opt_pre", "opt_post"))
 
 
 class Ledger:
@@ -41,8 +45,12 @@ class Ledger:
         optimizers: list[torch.optim.Optimizer],
         stack: list[Frame],
         data: StepData,
+        engines: Engines,
     ) -> None:
         self.device = device
+        self.engines = engines
+        engines.shards.on_grads = self.on_grads
+        self.gathered = engines.gathered  # FSDP2's unsharded parameters: not activations when saved
         self.resident = resident
         self.models, self.roots, self.optimizers = models, roots, optimizers
         self.stack, self.data = stack, data
@@ -56,6 +64,7 @@ class Ledger:
         # (parameter, (model, module index)) of every discovered model, for the per-step scans.
         self.flat_params: list[tuple[torch.Tensor, Loc]] = []
         self.grads_counted: set[int] = set()
+        self.grad_storages: set[int] = set()  # storages the running gradient count holds
         # id(parameter) -> (storage address, bytes) of its device gradient, as the gradient hook saw it
         self.grad_at: dict[int, tuple[int, int]] = {}
         self.saved: dict[int, tuple[int, Any]] = {}
@@ -65,7 +74,7 @@ class Ledger:
         self.params_bytes = 0
 
     def on_device(self, t: torch.Tensor) -> bool:
-        return self.resident is None or self.resident(t)
+        return self.resident is None or self.resident(local_tensor(t))
 
     # ------------------------------------------------------------------------------ samples
     def sample(self, event: str, key: int | None, depth: int) -> int:
@@ -78,6 +87,11 @@ class Ledger:
         # max_memory_allocated.
         if device.has_allocator and (depth == 0 or (depth == 1 and event[0] == "b")):
             mem = device.memory()
+        engines = self.engines
+        if depth == 0 and engines.shards.groups and event in _BOUNDARIES:
+            # FSDP2's buffers counted afresh at the step's boundaries: all timing steps see of them,
+            # and what its root's final callback released outside any group call.
+            engines.shards.refresh()
         data.samples.append(
             Sample(
                 device.marker(),
@@ -89,6 +103,8 @@ class Ledger:
                 self.opt_bytes,
                 self.act_live,
                 mem,
+                engines.buckets_live,
+                engines.sharding_live,
             )
         )
         if event == "bwd_pre" or event == "bwd_post":
@@ -125,6 +141,10 @@ class Ledger:
     def device_grad(self, p: torch.Tensor) -> tuple[int | None, int]:
         """(storage address, bytes) of ``p``'s gradient on the profiled device; (None, 0) without one.
 
+        Gradients that share a storage count it once (its address is the key). A gradient that is a
+        view into a DDP bucket (``gradient_as_bucket_view``) is keyed by its own address and counts
+        its own slot: the rest of the bucket is ``gradient_buckets``.
+
         A parameter that lives on the device but whose data is on the host now is being stepped on the
         host (``memdoctor.levers.offload.OptimizerOffload`` swaps ``p.data`` and ``p.grad`` to host
         copies for the optimizer's own step): its device gradient is still allocated, held by the
@@ -133,7 +153,10 @@ class Ledger:
         g = p.grad
         if g is None:
             return None, 0
+        g = local_tensor(g)
         if self.on_device(g):
+            if id(p) in self.engines.bucket_params:
+                return g.data_ptr(), own_nbytes(g)
             return storage_key(g), storage_nbytes(g)
         if self.home.get(id(p), False) and not self.on_device(p):
             return self.grad_at.get(id(p)) or (None, g.numel() * g.element_size())
@@ -141,37 +164,74 @@ class Ledger:
 
     def first_forward(self) -> None:
         """The step's first forward: the gradients alive now (accumulated ones) are its starting point."""
-        self.grads_live = self.count_grads()
+        _, seen, self.grads_live = self._grad_holdings()
         self.grads_counted = {id(p) for p, _ in self.flat_params if p.grad is not None}
+        self.grad_storages = set(seen)
         self.grad_at = {}
+        self.engines.shards.refresh()
 
     def on_grad(self, param: torch.Tensor) -> None:
-        """A parameter's gradient was accumulated (``register_post_accumulate_grad_hook``)."""
+        """A parameter's gradient was accumulated (``register_post_accumulate_grad_hook``), or FSDP2
+        reduced it into its shard (``on_grads``)."""
         order = self.data.grad_order  # backward order, for the first module with a NaN/Inf gradient
         if id(param) not in order:
             order[id(param)] = len(order)
         grad = param.grad
-        if id(param) not in self.grads_counted and grad is not None and self.on_device(grad):
-            self.grads_counted.add(id(param))
-            at = self.grad_at[id(param)] = (storage_key(grad), storage_nbytes(grad))
-            self.grads_live += at[1]
+        if id(param) in self.grads_counted or grad is None or not self.on_device(grad):
+            return
+        self.grads_counted.add(id(param))
+        key, n = at = self.device_grad(param)
+        self.grad_at[id(param)] = at  # type: ignore[assignment]
+        if id(param) in self.engines.bucket_params:
+            self.engines.bucket_grads += n
+        elif key in self.grad_storages:
+            return  # one more gradient in a storage already counted (FSDP2's reduce-scatter output)
+        self.grad_storages.add(key)  # type: ignore[arg-type]
+        self.grads_live += n
+
+    def on_grads(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            self.on_grad(p)
 
     def grads_by_module(self) -> dict[Loc, int]:
-        out: dict[Loc, int] = {}
-        seen: dict[int, int] = {}  # storage address -> bytes, of the gradients on the device
-        for p, loc in self.flat_params:
-            if p.grad is None:
-                continue
-            key, n = self.device_grad(p)
-            if n and (key is None or key not in seen):
-                out[loc] = out.get(loc, 0) + n
-                if key is not None:
-                    seen[key] = n
+        out, seen, _ = self._grad_holdings()
         self.data.grad_ptrs = seen
         return out
 
     def count_grads(self) -> int:
-        return sum(self.device_grad(p)[1] for p, _ in self.flat_params if p.grad is not None)
+        return self._grad_holdings()[2]
+
+    def _grad_holdings(self) -> tuple[dict[Loc, int], dict[int, int], int]:
+        """Per module, the bytes of the gradients its parameters hold on the device; storage address
+        -> bytes of those storages; their total. Each storage counts once. A gradient that is one
+        slot of a flat storage (FSDP2's reduce-scatter output) is charged its own bytes, the rest of
+        the storage (padding) to the module of the storage's first gradient; one in a DDP bucket, its
+        slot (``device_grad``). Also sets the engines' count of bucket-view gradient bytes."""
+        out: dict[Loc, int] = {}
+        seen: dict[int, int] = {}
+        left: dict[int, list[Any]] = {}  # flat storage -> [first module, bytes no gradient is charged]
+        buckets = self.engines.bucket_params
+        in_buckets = 0
+        for p, loc in self.flat_params:
+            if p.grad is None:
+                continue
+            key, n = self.device_grad(p)
+            if not n or (key is not None and key in seen and key not in left):
+                continue
+            charge = n
+            if id(p) in buckets:
+                in_buckets += n
+            elif key is not None and (own := own_nbytes(p.grad)) < n:
+                slot = left.setdefault(key, [loc, n])
+                slot[1] -= own
+                charge = own
+            out[loc] = out.get(loc, 0) + charge
+            if key is not None:
+                seen[key] = n
+        for loc, rest in left.values():
+            out[loc] = out.get(loc, 0) + max(0, rest)
+        self.engines.bucket_grads = in_buckets
+        return out, seen, sum(out.values())
 
     # ------------------------------------------------------------------------------ optimizer state
     def opt_state_by_module(self) -> dict[Loc, int]:
@@ -229,7 +289,7 @@ class Ledger:
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             return t
         ptr = st.data_ptr()
-        if ptr in self.saved or ptr in self.param_ptrs or not ptr:
+        if ptr in self.saved or ptr in self.param_ptrs or not ptr or ptr in self.gathered:
             return t
         if self.resident is not None and not self.resident(t):
             return t  # a host tensor kept for backward: not in the device's memory

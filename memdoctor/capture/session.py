@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from memdoctor.capture.backwardsteps import BackwardSteps
+from memdoctor.capture.collectives import Collectives
 from memdoctor.capture.collectorcalls import CollectorCalls
 from memdoctor.capture.collectors import Collector
 from memdoctor.capture.discovery import DiscoveredModel, TrainedModels
+from memdoctor.capture.engines import Engines
 from memdoctor.capture.forwardstack import ForwardStack
 from memdoctor.capture.ledger import Ledger
 from memdoctor.capture.modulehooks import ModuleHooks
@@ -92,6 +94,8 @@ class ProfileSession:
         self._done = False
         self._running = False
         self._data = StepData(step=0)
+        # The distributed engines the models run in (DDP's buckets, FSDP2's shards and buffers).
+        self._engines = Engines(lambda t: self._ledger.on_device(t), self._found.index, self.emit)
         # Which tensors the ledger counts: those on the profiled device (None: all of them, a CPU
         # session).
         self._ledger = Ledger(
@@ -102,8 +106,10 @@ class ProfileSession:
             self._found.optimizers,
             self._forward.frames,
             self._data,
+            self._engines,
         )
         self._writer = StepWriter(self)
+        self._collectives = Collectives(self)  # time and bytes in torch.distributed's collectives
         self._new_step(first=True)
 
     # ------------------------------------------------------------------------------ the parts' figures
@@ -163,6 +169,7 @@ class ProfileSession:
         if self._running:
             return
         self._steps.install()
+        self._collectives.install()
         if self.detailed(0):
             self._module_hooks(True)
         self._running = True
@@ -176,9 +183,17 @@ class ProfileSession:
         """Remove every hook this session installed. Safe to call twice."""
         self._steps.remove()
         self._module_hooks(False)
+        self._engines.shards.remove()
+        self._collectives.remove()
         if self._running:
             self._calls.stop()
         self._running = False
+
+    def measure_link(self) -> None:
+        """Measure the link between the ranks once (``Collectives.measure_link``): where every rank
+        arrives together, the requested steps reached or a launcher's clean end of the script; never
+        after a fault, where the other ranks may be gone (it would wait for them up to ``link.WAIT_S``)."""
+        self._collectives.measure_link()
 
     def see_saved(self, tensor: torch.Tensor) -> None:
         """A tensor a checkpointed module's forward saves, which the checkpoint drops (its own hook
@@ -311,6 +326,8 @@ class ProfileSession:
         if self._done:
             return
         new_root = self._found.saw_root(module)
+        if new_root:
+            self._engines.see(module)
         if new_root or self._ledger.params_stale or (not data.forwards and self.detailed(self._step_index)):
             # Recounted at each ledger step's first forward (not on timing steps, whose hot path this
             # is): parameters moved (offloaded, or back) since count where they are now.
@@ -354,6 +371,7 @@ class ProfileSession:
             self._hooks.watch_grads(model)
         self._ledger.note_params()
         self.sink(model.info.to_record())
+        self._engines.see(model.modules[0])
         self._calls.each("on_model", model.info.index, model.modules[0])
 
     def discover_seen(self) -> None:
@@ -366,8 +384,12 @@ class ProfileSession:
 
     def _new_step(self, first: bool = False, carry: list[Sample] | None = None) -> None:
         self._data = self._ledger.data = StepData(step=self._step_index)
+        shards = self._engines.shards
+        shards.peak, shards.watching = self._data.sharding_bytes, self.detailed(self._step_index)
         self._cycle.new_step()
         if not first:
+            if self._engines.ddps:
+                self._engines.poll_ddp()
             self.device.reset_peak()
             self._schedule.start_history(self._data)
             self._notify_step_start()
@@ -388,6 +410,7 @@ class ProfileSession:
         if self._step_index >= self.warmup + self.steps and not self._done:
             self._done = True
             self._emit_ready(wait=True)
+            self.measure_link()  # every rank reaches the same step: the link is measured here, once
             if self.on_done is not None:
                 self.on_done()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from memdoctor.capture import gradnorms
+from memdoctor.capture.engines import BUCKETS, SHARDING, SHARDING_COLUMN
 from memdoctor.capture.stepmodules import close_open_backward, module_columns
 from memdoctor.device import Device
 from memdoctor.trace import StepRecord
@@ -26,6 +27,10 @@ class Sample(NamedTuple):
     optimizer_state: int
     activations: int
     mem: tuple[int, int, int] | None  # allocator (allocated, reserved, max_allocated)
+    # The engines' categories (memdoctor.capture.engines): DDP's bucket bytes no gradient counts,
+    # FSDP2's gathered and reduce buffers. 0 in one plain process.
+    buckets: int = 0
+    sharding: int = 0
 
 
 @dataclass
@@ -72,6 +77,8 @@ class StepData:
     loss_scale: Any = None
     scaler_stepped: bool = False
     scaler_skipped: bool = False
+    # (model, module index) -> the most bytes of FSDP2 buffers holding its parameters at once this step
+    sharding_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def fold_micro(self) -> None:
         """Fold the finished micro-batch into the step: activations are the largest micro-batch's."""
@@ -149,7 +156,11 @@ def build_step(
     release: bool = True,
     detailed: bool = True,
     parents: dict[int, list[int]] | None = None,
+    engines: tuple[str, ...] = (),
 ) -> StepRecord:
+    """The step's record from its samples; ``engines`` names the engines' categories this run has
+    (``gradient_buckets``, ``sharding_buffers``: ``memdoctor.capture.engines``), which then appear
+    in ``categories_at_peak`` and the timeline."""
     samples = data.samples[:upto]
     markers = [s.marker for s in samples]
     t_ms = device.resolve_ms(markers)
@@ -158,7 +169,7 @@ def build_step(
     for i in range(1, len(samples)):
         phases_ms[phases[i]] += max(0.0, t_ms[i] - t_ms[i - 1])
     close_open_backward(data, samples)
-    memory = _peak(samples, t_ms, phases, index, device)
+    memory = _peak(samples, t_ms, phases, index, device, engines)
     if data.history:
         memory["peak_ledger"] = _history_ledger(data, samples, param_ptrs)
     if detailed:
@@ -172,11 +183,13 @@ def build_step(
         micro_batches=max(1, data.forwards),
         memory=memory,
         modules=module_columns(data, t_ms, index, parents or {}) if detailed else {},
-        timeline=_timeline(samples, t_ms, phases, index, device.has_allocator),
+        timeline=_timeline(samples, t_ms, phases, index, device.has_allocator, engines),
         detail="full" if detailed else "timing",
     )
     if detailed:
         _add_grad_norms(data, record.modules)
+        if SHARDING in engines:
+            _add_sharding_column(data, record.modules)
     if not detailed:
         # A timing step has no module or saved-tensor hooks: its allocator peak is measured, but
         # not what made it up, and forward and backward are not told apart.
@@ -242,8 +255,19 @@ def _history_ledger(
     )
 
 
+def _add_sharding_column(data: StepData, modules: dict[int, dict[str, list[Any]]]) -> None:
+    """``sharding_buffer_bytes``: per ``fully_shard`` module, the most bytes of FSDP2 buffers holding
+    its parameters (gathered, all-gather output, reduce-scatter input) live at once in the step."""
+    for m, cols in modules.items():
+        col = [0] * len(cols["calls"])
+        for (model, i), n in data.sharding_bytes.items():
+            if model == m and i < len(col):
+                col[i] = n
+        cols[SHARDING_COLUMN] = col
+
+
 def _accounted(s: Sample) -> int:
-    return s.parameters + s.gradients + s.optimizer_state + s.activations
+    return s.parameters + s.gradients + s.optimizer_state + s.activations + s.buckets + s.sharding
 
 
 def _peak(
@@ -252,6 +276,7 @@ def _peak(
     phases: list[str],
     index: dict[int, tuple[int, int]],
     device: Device,
+    engines: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     # The first sample is the previous step's last (its max_allocated is that step's peak).
     with_mem = [i for i, s in enumerate(samples) if s.mem is not None and (i > 0 or s.event == "step_start")]
@@ -272,6 +297,10 @@ def _peak(
         "optimizer_state": s.optimizer_state,
         "activations": s.activations,
     }
+    if BUCKETS in engines:
+        cats[BUCKETS] = s.buckets
+    if SHARDING in engines:
+        cats[SHARDING] = s.sharding
     accounted = _accounted(s)
     cats["other"] = peak_bytes - accounted if source == "allocator" else None
     loc = index.get(s.key) if s.key is not None else None
@@ -323,6 +352,7 @@ def _timeline(
     phases: list[str],
     index: dict[int, tuple[int, int]],
     has_allocator: bool,
+    engines: tuple[str, ...] = (),
 ) -> dict[str, list[Any] | None]:
     locs = [index.get(s.key) if s.key is not None else None for s in samples]
     tl: dict[str, list[Any] | None] = {
@@ -340,6 +370,10 @@ def _timeline(
         "reserved": None,
         "max_allocated": None,
     }
+    if BUCKETS in engines:
+        tl[BUCKETS] = [s.buckets for s in samples]
+    if SHARDING in engines:
+        tl[SHARDING] = [s.sharding for s in samples]
     if has_allocator:
         tl["allocated"] = [s.mem[0] if s.mem else None for s in samples]
         tl["reserved"] = [s.mem[1] if s.mem else None for s in samples]

@@ -42,6 +42,7 @@ class StepWriter:
             complete=True,
             param_ptrs=s._ledger.param_ptrs,
             release=False,
+            engines=s._engines.categories(),
         )
         s.sink(self.step_record(rec, data))
 
@@ -67,6 +68,7 @@ class StepWriter:
             complete=complete,
             param_ptrs=s._ledger.param_ptrs,
             detailed=s.detailed(data.step),
+            engines=s._engines.categories(),
         )
         self.records.append(rec)
         s.sink(self.step_record(rec, data))
@@ -75,12 +77,16 @@ class StepWriter:
 
     def step_record(self, rec: StepRecord, data: StepData) -> dict[str, Any]:
         """The step's trace record, with its gradient-norm summary (``grad_norm``, null where not
-        measured) and what the collectors measured (``collectors``, extra ``modules`` columns)."""
+        measured), the time in torch.distributed's collectives (``collectives``, with a process group
+        only) and what the collectors measured (``collectors``, extra ``modules`` columns)."""
         out = rec.to_record()
         out["grad_norm"] = data.grad_norm_field
         if data.scaler_stepped:  # the step's GPU work is done here: reading the scale does not stall
             scale = gradscaler.read_scale(data.loss_scale)
             out["grad_scaler"] = {"scale": scale, "skipped": data.scaler_skipped}
+        collectives = self.session._collectives.step_field(rec.step)
+        if collectives is not None:
+            out["collectives"] = collectives
         fields = self.session._calls.step_fields(rec.step, out["modules"])
         if fields:
             out["collectors"] = fields

@@ -130,6 +130,9 @@ class StepRecord:
     grad_scaler: dict[str, Any] | None = None
     # What each collector measured in this step (memdoctor.capture.collectors): name -> its data.
     collectors: dict[str, Any] = field(default_factory=dict)
+    # {ms, calls, bytes, by_op, ...}: this rank's time in torch.distributed's collectives in the step
+    # (memdoctor.capture.collectives); None in one process and in older traces.
+    collectives: dict[str, Any] | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -138,6 +141,7 @@ class StepRecord:
             **({"grad_norm": self.grad_norm} if self.grad_norm is not None else {}),
             **({"grad_scaler": self.grad_scaler} if self.grad_scaler is not None else {}),
             **({"collectors": self.collectors} if self.collectors else {}),
+            **({"collectives": self.collectives} if self.collectives is not None else {}),
             "step": self.step,
             "warmup": self.warmup,
             "complete": self.complete,
@@ -173,7 +177,25 @@ class StepRecord:
             grad_norm=rec["grad_norm"] if isinstance(rec.get("grad_norm"), dict) else None,
             grad_scaler=_grad_scaler(rec.get("grad_scaler")),
             collectors=_dict(rec, "collectors", {}),
+            collectives=_collectives(rec.get("collectives")),
         )
+
+
+def _collectives(value: Any) -> dict[str, Any] | None:
+    """The step's ``collectives`` where its totals are numbers (``ms``, ``calls``, ``bytes``) and
+    ``by_op`` maps names to such rows; None (not measured) for anything else."""
+
+    def figure(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+
+    def row(v: Any) -> bool:
+        return isinstance(v, dict) and all(figure(v.get(k)) for k in ("ms", "calls", "bytes"))
+
+    if not row(value) or not isinstance(value.get("by_op", {}), dict):
+        return None
+    if not all(row(v) for v in value.get("by_op", {}).values()):
+        return None
+    return dict(value)
 
 
 def _grad_scaler(value: Any) -> dict[str, Any] | None:
