@@ -19,7 +19,8 @@ The same file is the unmodified workload and the hand configuration with the sam
   then the root; one process, a gloo+NCCL group of one), ``--hand-checkpoint`` HF's own gradient
   checkpointing of every layer, ``--bf16`` autocast.
 
-Each step appends ``{"step", "step_ms", "optimizer_ms", "reserved_bytes", "allocated_bytes"}`` to ``--timing-file``;
+Each step appends ``{"step", "step_ms", "optimizer_ms", "reserved_bytes", "allocated_bytes"}`` to
+``--timing-file``;
 ``optimizer_ms`` is the optimizer step alone (under full offload: AdamW on the host; with the state
 bytes it calibrates ``memdoctor.plan.timing.CPU_OPTIMIZER_BYTES_PER_S``, printed at the end).
 

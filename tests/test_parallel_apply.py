@@ -2,8 +2,9 @@
 ``memdoctor run --nproc-per-node 2`` runs it: ``torch.distributed.run`` starting ``memdoctor.launch.
 run_child`` in each rank, the plan in ``MEMDOCTOR_RUN``.
 
-Faithful: the one-process run with a batch of 2B and each of two ranks with a batch of B (the
-DistributedSampler's shares, in order) train on the same global batches, so the ranks' mean loss at
+Faithful: the one-process run and the two ranks are given the same script batch of 2B; each rank reads
+batches of B (the DistributedSampler's shares, in order, at 1/N of the script's batch), so both train on
+the same global batches, so the ranks' mean loss at
 each of the 5 steps, and the loss on all the samples after the last, equal the one-process run's within
 LOSS_RTOL: fp32, and only the order of the sums differs (gloo averages the ranks' gradients, one process
 averages over its whole batch). The script's optimizer-step count is its own: 5 on each rank.
@@ -34,7 +35,7 @@ LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-7
 def _on_two_ranks(config: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The script on two ranks with ``config`` applied in each (``memdoctor run``'s child, unchanged)."""
     cfg = parse_config("memdoctor_config: 1\ngpus: 2\n" + config)
-    script_args = ["--batch-size", str(B), "--out", str(out), *args]
+    script_args = ["--batch-size", str(2 * B), "--out", str(out), *args]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env[ENV_VAR] = json.dumps(

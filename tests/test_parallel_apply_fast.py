@@ -141,8 +141,9 @@ def test_the_script_s_data_loaders_are_sharded(monkeypatch: pytest.MonkeyPatch) 
         stream = DataLoader(Stream(), batch_size=2)
     finally:
         undo()
-    assert isinstance(loader.sampler, EpochSampler) and len(loader) == 3  # 5 samples of 10 a rank
-    assert [b[0].tolist() for b in loader] == [[1.0, 3.0], [5.0, 7.0], [9.0]]
+    # 5 samples of 10 a rank, in batches of 1/2 of the script's 2: the global batch stays 2
+    assert isinstance(loader.sampler, EpochSampler) and loader.batch_size == 1 and len(loader) == 5
+    assert [b[0].tolist() for b in loader] == [[1.0], [3.0], [5.0], [7.0], [9.0]]
     assert not isinstance(stream.sampler, DistributedSampler)
     assert lines == [
         "parallel: a DataLoader not sharded: it reads an IterableDataset (Stream), which yields its own "

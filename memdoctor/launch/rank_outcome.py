@@ -276,10 +276,8 @@ def _stop(launched: Launched) -> tuple[int, str]:
 
 def merged_report(out_dir: Path, result: RanksResult) -> list[str]:
     """The merged report over the ranks' folders; the notes to print when it cannot be written."""
-    try:
-        from memdoctor.report.ranks import write_merged  # wired at merge: written in a parallel branch
-    except ImportError:
-        return ["the merged report is not available in this version: each rank's report is in its folder"]
+    from memdoctor.report.ranks import write_merged
+
     try:
         write_merged(out_dir)
     except (MemdoctorError, OSError) as exc:

@@ -1,6 +1,9 @@
 """``parallel``'s data side: every DataLoader the script builds, in each rank, is given torch's
 ``DistributedSampler``, so the ranks read disjoint shares of the dataset (rank K the samples K, K+N, ...
-of the order the script's loader would read), each in batches of the script's size.
+of the order the script's loader would read), each in batches of 1/N of the script's size, so that the
+step's global batch, the steps of an epoch and the optimizer's trajectory are the script's (what the
+planner predicts for ``--gpus N``: ``memdoctor.plan``'s per-rank batch is the batch / N). A batch size N
+does not divide is kept, and said: the global batch is then N x the script's.
 
 A built DataLoader cannot be changed, so ``DataLoader.__init__`` is wrapped before the script runs (as
 ``memdoctor.levers.loader`` does for ``data_loader``). The script's order is kept: ``shuffle=True`` (or a
@@ -91,6 +94,7 @@ class DataSharding:
         self.rank, self.size, self.say = rank, size, say
         self.sharded = 0
         self.whole: list[str] = []  # why each loader that could not be sharded could not
+        self.kept: list[Any] = []  # batch sizes the ranks could not divide
 
     def install(self) -> Undo:
         original = DataLoader.__init__
@@ -113,6 +117,15 @@ class DataSharding:
             return
         arguments["sampler"] = found
         arguments["shuffle"] = None  # the sampler shuffles; DataLoader refuses both
+        batch = arguments.get("batch_size", 1)
+        if isinstance(batch, int) and batch % self.size == 0:
+            arguments["batch_size"] = batch // self.size
+        else:
+            self.kept.append(batch)
+            self.say(
+                f"parallel: a DataLoader's batch size {batch} is not divisible by {self.size} ranks: kept, "
+                f"so the global batch is {self.size} x the script's"
+            )
         self.sharded += 1
 
     def same_batches(self) -> str:
@@ -124,10 +137,10 @@ class DataSharding:
             return "parallel: NOT applied to the data: the script built no DataLoader to shard"
         parts = []
         if self.sharded:
-            parts.append(
-                f"DistributedSampler on {self.sharded} DataLoader(s): rank {self.rank} read 1/{self.size} of "
-                f"the samples, in batches of the script's size (a global batch {self.size} x it)"
-            )
+            read = f"DistributedSampler on {self.sharded} DataLoader(s): rank {self.rank} read 1/{self.size}"
+            kept = f"; batch sizes {self.kept} kept (a global batch {self.size} x the script's)"
+            whole = f", in batches of 1/{self.size} of the script's (the global batch is the script's)"
+            parts.append(f"{read} of the samples" + (kept if self.kept else whole))
         if self.whole:
             whole = f"{len(self.whole)} DataLoader(s) not sharded ({self.whole[0]})"
             parts.append(f"{whole}: {self.same_batches()}")
