@@ -307,6 +307,8 @@ def test_report_each_rank_rerenders_every_rank_it_can(out: Path) -> None:
         assert json.loads((dest / f"rank-{rank}" / "summary.json").read_text())["peak_memory_bytes"] > 0
     html = (dest / "report.html").read_text()
     assert 'href="rank-0/report.html"' in html
+    rank_page = (dest / "rank-1" / "report.html").read_text()
+    assert "rank 1 of 2" in rank_page and 'href="../report.html"' in rank_page  # back to the merged one
 
 
 def test_each_rank_does_not_overwrite_a_rank_without_force(out: Path) -> None:
@@ -404,3 +406,17 @@ def test_check_on_a_merged_folder_guards_the_largest_rank(out: Path) -> None:
     largest = _rank_summary(out, 1)["peak_memory_bytes"]
     assert main(["check", str(out), "--max-peak", str(largest)]) == exitcodes.OK
     assert main(["check", str(out), "--max-peak", str(largest - 1)]) == exitcodes.LIMIT_EXCEEDED
+
+
+def test_a_rank_s_engine_buffers_are_rows_of_its_memory_table() -> None:
+    """A DDP rank's gradient buckets (and an FSDP2 rank's buffers) are shown, before "other"; a
+    one-process summary gets no such rows."""
+    from memdoctor.report.render import category_rows
+
+    cats = {"parameters": 10, "gradients": 10, "optimizer_state": 0, "activations": 5, "gradient_buckets": 10}
+    rows = category_rows({"peak_memory_bytes": 40, "categories": {**cats, "other": 5}})
+    keys = [r["key"] for r in rows]
+    assert keys[-2:] == ["gradient_buckets", "other"] and rows[-2]["share"] == 0.25
+    assert "DDP gradient buckets" in rows[-2]["label"]
+    plain = category_rows({"peak_memory_bytes": 30, "categories": {"parameters": 30}})
+    assert "gradient_buckets" not in [r["key"] for r in plain]

@@ -12,6 +12,9 @@ CATEGORY_LABELS = {
     "optimizer_state": "optimizer state",
     "activations": "activations",
     "other": "other (temporaries, workspaces, allocator slack)",
+    # A DDP or FSDP2 rank's engine buffers (``memdoctor.analysis.layers.ENGINE_CATEGORIES``)
+    "gradient_buckets": "DDP gradient buckets",
+    "sharding_buffers": "FSDP2 gathered parameters and all-gather / reduce-scatter buffers",
 }
 
 

@@ -25,6 +25,7 @@ import math
 import statistics
 from typing import Any
 
+from memdoctor.analysis.layers import ENGINE_CATEGORIES
 from memdoctor.plan.config import Config
 from memdoctor.plan.memory import OPTIMIZER_STEP_TEMP_FACTOR, ranks, step_floor
 from memdoctor.plan.timing import compute_factor
@@ -174,15 +175,9 @@ def spread(w: Workload, gpus: int, configs: list[Config]) -> list[Config]:
 
 # ----------------------------------------------------------------------------------------- a rank's trace
 
-# ``summary.json`` categories an engine's own buffers may be measured as (the ledger of a DDP or FSDP2
-# rank); read with ``.get``: what is not there stays in the fixed rest.
-ENGINE_CATEGORIES = (
-    "gradient_buckets",
-    "unsharded_parameters",
-    "unsharded_gradients",
-    "all_gather",
-    "reduce_scatter",
-)
+# ``summary.json`` categories an engine's own buffers are measured as (the ledger of a DDP or FSDP2 rank:
+# ``gradient_buckets``, ``sharding_buffers``; docs/trace-format.md); read with ``.get``: what is not
+# there stays in the fixed rest. One list, the capture's (``memdoctor.analysis.layers``).
 # A rank's measured parameters under this share of the model's parameter bytes (its module table) are
 # taken as sharded (FSDP: each rank holds 1/N); above it, whole (DDP).
 SHARDED_BELOW = 0.75

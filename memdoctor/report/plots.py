@@ -15,6 +15,7 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure
 
+from memdoctor.analysis.layers import ENGINE_CATEGORIES
 from memdoctor.units import format_bytes
 
 COLORS = {
@@ -23,6 +24,8 @@ COLORS = {
     "optimizer_state": "#59a14f",
     "activations": "#e15759",
     "other": "#bab0ac",
+    "gradient_buckets": "#edc948",
+    "sharding_buffers": "#b07aa1",
 }
 LABELS = {
     "parameters": "parameters",
@@ -30,6 +33,8 @@ LABELS = {
     "optimizer_state": "optimizer state",
     "activations": "activations",
     "other": "other",
+    "gradient_buckets": "DDP gradient buckets",
+    "sharding_buffers": "FSDP2 buffers",
 }
 PHASE_COLORS = {"forward": "#e8f0fa", "backward": "#fdf0e3", "optimizer": "#eaf5e8"}
 STACK = ("parameters", "gradients", "optimizer_state", "activations")
@@ -223,7 +228,8 @@ def _shade_phases(ax: Any, spans: list[dict[str, Any]]) -> None:
 
 def _stack(ax: Any, t: list[float], categories: dict[str, list[int]], scale: float) -> None:
     base = [0.0] * len(t)
-    for cat in STACK:
+    engines = [c for c in ENGINE_CATEGORIES if c in categories]  # a DDP or FSDP2 rank's
+    for cat in (*STACK, *engines):
         top = [b + v / scale for b, v in zip(base, categories[cat], strict=False)]
         ax.fill_between(t, base, top, step="post", color=COLORS[cat], label=LABELS[cat], linewidth=0)
         base = top

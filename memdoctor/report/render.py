@@ -22,7 +22,7 @@ from memdoctor.analysis import heatmap as layer_time
 from memdoctor.analysis import nvtx as nvtx_note
 from memdoctor.analysis.gradnorms import grad_norm_chart
 from memdoctor.analysis.headline import CATEGORY_LABELS, memory_limit
-from memdoctor.analysis.layers import layer_table, top_layers
+from memdoctor.analysis.layers import ENGINE_CATEGORIES, layer_table, top_layers
 from memdoctor.analysis.notes import collector_note
 from memdoctor.analysis.steps import peak_step, timeline_series
 from memdoctor.analysis.summary import shown_events
@@ -243,7 +243,17 @@ def run_info(trace: Trace) -> dict[str, Any]:
         "capability": trace.device.get("capability"),
         "end": {"status": "unknown", "message": "", **(trace.end or {})},  # in-process runs have no end
         "truncated": trace.truncated,
+        "rank": _rank(trace),
     }
+
+
+def _rank(trace: Trace) -> dict[str, Any] | None:
+    """A rank of a several-process job (the header's ``distributed``): its rank and world size; its
+    report sits in ``OUT/rank-K/``, beside the merged one in ``OUT``."""
+    info = trace.header.get("distributed")
+    if not isinstance(info, dict) or not isinstance(info.get("rank"), int):
+        return None
+    return {"rank": info["rank"], "world_size": info.get("world_size"), "backend": info.get("backend")}
 
 
 def own_top(rows: list[dict[str, Any]], limit: int = LAYER_TOP) -> list[dict[str, Any]]:
@@ -269,7 +279,7 @@ def category_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
             "share": (cats[c] / peak) if peak and cats.get(c) is not None else None,
             "color": plots.COLORS[c],
         }
-        for c in CATEGORIES
+        for c in (*CATEGORIES[:-1], *(e for e in ENGINE_CATEGORIES if e in cats), CATEGORIES[-1])
     ]
 
 
