@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_bombs import steps  # noqa: E402
+from trace_bombs import steps
 
-from memdoctor.report import build_summary, write_report  # noqa: E402
-from memdoctor.trace import load_trace  # noqa: E402
-from memdoctor.trace.reader import paused_gc  # noqa: E402
+from memdoctor.report import build_summary, write_report
+from memdoctor.trace import load_trace
+from memdoctor.trace.reader import paused_gc
 
 
 def one(n: int, work: Path) -> dict[str, float | int]:
@@ -35,11 +35,17 @@ def one(n: int, work: Path) -> dict[str, float | int]:
         with trace.frozen():
             summary = build_summary(trace)
             t2 = time.perf_counter()
+            (work / f"out-{n}").mkdir()
             write_report(trace, work / f"out-{n}", summary)
     t3 = time.perf_counter()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"steps": n, "load_s": round(t1 - t0, 2), "summary_s": round(t2 - t1, 2),
-            "report_s": round(t3 - t2, 2), "peak_rss_bytes": rss}
+    return {
+        "steps": n,
+        "load_s": round(t1 - t0, 2),
+        "summary_s": round(t2 - t1, 2),
+        "report_s": round(t3 - t2, 2),
+        "peak_rss_bytes": rss,
+    }
 
 
 def main() -> None:
