@@ -17,6 +17,7 @@ top-level module. The engines found are described once in an ``engines`` collect
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,23 @@ BUCKETS = "gradient_buckets"
 SHARDING = "sharding_buffers"
 SHARDING_COLUMN = "sharding_buffer_bytes"  # the per-module column of FSDP2 traces
 RECORD = "engines"
+
+# Models an engine wraps from outside the script's call path: ``memdoctor run``'s parallel lever routes
+# the script's ``model(...)`` through a DDP wrapper the script never calls, so the session sees the
+# model, not the wrapper, as the top-level module; the lever names the wrapper here (``wrapped_by``).
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def wrapped_by(model: nn.Module, engine: nn.Module) -> Callable[[], None]:
+    """Say that ``engine`` (a DDP wrapper) runs ``model``'s forward, though the script calls ``model``:
+    the ledger then counts the engine's buckets when it sees ``model``. Returns the undo."""
+    _WRAPPERS[model] = engine
+
+    def undo() -> None:
+        if _WRAPPERS.get(model) is engine:
+            del _WRAPPERS[model]
+
+    return undo
 
 
 class Engines:
@@ -74,6 +92,7 @@ class Engines:
     def see(self, module: nn.Module) -> None:
         """A top-level module called, or a model described: is it, or does it hold, an engine? The
         ``engines`` record is written again each time (the model indices are known once described)."""
+        module = _WRAPPERS.get(module, module)
         if isinstance(module, nn.parallel.DistributedDataParallel):
             if all(d is not module for d, _ in self.ddps):
                 self.ddps.append((module, self._buckets(module)))

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
+from memdoctor.capture.engines import wrapped_by
 from memdoctor.config import PlanConfig
 from memdoctor.levers.beforeoptimizer import BeforeOptimizer, Swap, swap_of
 from memdoctor.levers.modnames import class_name, submodule
@@ -178,6 +179,7 @@ class Parallel(BeforeOptimizer):
         with ours():
             ddp = DistributedDataParallel(root, device_ids=ids)
         self.ddp = ddp
+        self._undo.append(wrapped_by(root, ddp))  # the profiler's ledger counts its buckets
         self._undo.append(routed_through(root, ddp))
         self.model = root
         self.applied(
