@@ -1,5 +1,6 @@
 """FSDP2's own buffers, as a running counter: the unsharded parameters an all-gather fills, the
-all-gather output kept for the next copy-out, and the reduce-scatter inputs kept for the next
+all-gather output kept for the next copy-out, the unsharded gradients autograd accumulates into the
+gathered parameters before their reduce-scatter, and the reduce-scatter inputs kept for the next
 reduce-scatter, each attributed to the ``fully_shard`` module whose parameters it holds.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps a module's parameters as DTensor shards and
@@ -7,7 +8,10 @@ gathers them around its forward and backward. What a module holds gathered lives
 group (``FSDPParamGroup``), which no public API exposes; torch's own ``FSDPMemTracker`` reads it by
 wrapping that group's methods, and so does this module: after each ``unshard``, ``wait_for_unshard``,
 ``reshard``, ``post_backward`` and ``finalize_backward`` of a group, that group's holdings are counted
-again (a few storage reads), so the counter is right at every sample the session takes. Prefetching
+again (a few storage reads), so the counter is right at every sample the session takes; and after
+each gradient accumulated into a gathered parameter (a hook on it), and after the outermost
+``fully_shard`` module's forward, whose post-forward (not a group method) frees the last all-gather
+output: neither is marked by a group method. Prefetching
 gathers the next module's parameters early: those bytes are charged to that module, whose parameters
 they are. The wrappers go through ``memdoctor.patching`` and are private API, used only on torch
 versions known to have it (``group_class``); elsewhere, or if FSDP's internals moved, the buffers are
@@ -89,6 +93,8 @@ class ShardBuffers:
         self.off: str | None = None  # why the buffers are not measured (None: they are)
         self._owner: dict[int, int] = {}  # id(all-gather result or reduce-scatter input) -> id(group)
         self._undo: list[patching.Undo] = []
+        self._grad_hooks: dict[int, Any] = {}  # id(unsharded parameter) -> its accumulate-grad hook
+        self._root_hooks: dict[int, Any] = {}  # id(outermost fully_shard module) -> its forward hook
 
     # ------------------------------------------------------------------------------ install
     def add(self, groups: list[Any]) -> None:
@@ -103,6 +109,9 @@ class ShardBuffers:
             self._undo = [patching.wrap_attr(cls, name, self._wrapper(name)) for name in WRAPPED]
         for group in groups:
             self.groups.setdefault(id(group), group)
+        top = groups[0].modules[0]  # fsdp_groups' first: the outermost fully_shard module
+        if id(top) not in self._root_hooks:  # runs after FSDP2's own post-forward (registered before)
+            self._root_hooks[id(top)] = top.register_forward_hook(self._after_forward)
         self.refresh()
 
     def remove(self) -> None:
@@ -110,6 +119,16 @@ class ShardBuffers:
         for undo in reversed(self._undo):
             undo()
         self._undo = []
+        for handle in [*self._grad_hooks.values(), *self._root_hooks.values()]:
+            handle.remove()
+        self._grad_hooks, self._root_hooks = {}, {}
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        """The outermost module's forward ended: FSDP2 has just dropped the last all-gather output
+        (its root post-forward), which a stale count would still hold, and would keep the loss's
+        saved tensors, allocated where that output was, out of the activations."""
+        if self.watching and not self.off:
+            self.refresh()
 
     def _wrapper(self, name: str) -> Callable[[Any], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,6 +188,7 @@ class ShardBuffers:
                 self._hold(held, t)
             for t in getattr(fp, "_unsharded_inner_tensors", ()) or ():
                 self._hold(held, t)
+            self._unsharded_grads(group, fp, held)
         pending = group._all_gather_result  # gathered (prefetched), not yet copied out
         if pending is not None:
             self._hold(held, pending.all_gather_output)
@@ -191,6 +211,27 @@ class ShardBuffers:
         loc = self.locate(group)
         if loc is not None:
             self.peak[loc] = max(self.peak.get(loc, 0), sum(held.values()))
+
+    def _unsharded_grads(self, group: Any, fp: Any, held: dict[int, int]) -> None:
+        """The gradients of ``fp``'s gathered parameter (accumulated by autograd in backward, until
+        the group's post-backward copies them into its reduce-scatter input and drops them), and the
+        accumulated copy FSDP2 keeps across backwards without a reduce-scatter. The gathered
+        parameter lives from the first all-gather on: a hook on it recounts the group as each
+        gradient lands."""
+        param = getattr(fp, "_unsharded_param", None)
+        if not isinstance(param, torch.Tensor):
+            return
+        if id(param) not in self._grad_hooks:
+            self._grad_hooks[id(param)] = param.register_post_accumulate_grad_hook(
+                lambda p, group=group: self._grad_landed(group)
+            )
+        for t in (param.grad, getattr(fp, "unsharded_accumulated_grad", None)):
+            if isinstance(t, torch.Tensor):
+                self._hold(held, t)
+
+    def _grad_landed(self, group: Any) -> None:
+        if self.watching and not self.off:
+            self._guarded(self._count, group)
 
     def _shared(self, ctx: Any, gid: int, held: dict[int, int]) -> None:
         """What the shared communication context keeps for ``gid``'s group: its all-gather output
