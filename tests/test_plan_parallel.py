@@ -19,7 +19,7 @@ from memdoctor.config import config_for_summary, dump_config, parse_config
 from memdoctor.plan.comm import GLOO_CPU_BYTES_PER_S, moved_bytes
 from memdoctor.plan.config import Config
 from memdoctor.plan.model import predict, workload
-from memdoctor.plan.parallel import FSDP_UNITS_HELD, from_rank, spread
+from memdoctor.plan.parallel import from_rank, spread
 from memdoctor.plan.planner import card_table, gpus_needed, make_plan
 from memdoctor.plan.splits import Split
 from memdoctor.plan.summarize import doctor, ranks_target
@@ -88,21 +88,43 @@ def test_ddp_on_a_recorded_trace_is_the_measured_peak_with_half_the_activations_
         assert p.breakdown["gradient_buckets"] == w.gradients
 
 
-def test_fsdp2_divides_the_state_by_n_and_holds_two_units_and_the_root_gathered() -> None:
+def test_fsdp2_divides_the_state_by_n_and_peaks_where_the_activations_meet_the_gathered_units() -> None:
     w = _blocks()
     for n in (2, 4):
         p = predict(w, _fsdp(n))
         assert p.breakdown["parameters"] == math.ceil(100 / n)
         assert p.breakdown["optimizer_state"] == math.ceil(200 / n)
         assert p.breakdown["activations"] == 600 // n
-        assert p.breakdown["unsharded_parameters"] == 15 + 25 + 20  # the root + the 2 largest units
-        assert p.breakdown["unsharded_gradients"] == 15 + 25 + 20
+        # The last unit's backward starts: the root's parameters and gradients, that unit and the
+        # previous one (prefetched) gathered, no gradient reduced yet, every activation but the loss's.
+        assert p.breakdown["unsharded_parameters"] == 15 + 25 + 20
+        assert p.breakdown["unsharded_gradients"] == 15
+        assert p.breakdown["gradients"] == 0
         assert "gradient_buckets" not in p.breakdown
-    assert FSDP_UNITS_HELD == 2
+        assert any("peaks at the backward start of shard unit 4 of 4" in a for a in p.assumptions)
     kept = predict(w, _fsdp(2, "fsdp2-no-reshard"))
-    assert kept.breakdown["unsharded_parameters"] == 100  # every unit kept from forward to backward
+    # The forward end: every unit gathered, and the last one's all-gather output not yet freed.
+    assert kept.breakdown["unsharded_parameters"] == 100 + 25
     root_only = predict(w, Config(gpus=2, parallel="fsdp2"))  # no shard_modules: the root holds all
     assert root_only.breakdown["unsharded_parameters"] == 100
+    assert root_only.breakdown["unsharded_gradients"] == 100
+
+
+def test_fsdp2_with_few_activations_peaks_late_in_backward() -> None:
+    """A peak in the optimizer step (few activations there, every gradient) moves under FSDP2: the
+    state is halved, and the rank peaks late in backward, as a unit's backward ends: the reduced
+    gradients pile up beside its own unsharded gradients, the previous unit's reduce-scatter input,
+    and two units gathered (every unit not yet back-propagated without resharding)."""
+    w = _blocks(activations=0, gradients_at_peak=100, forward_end_activations=40, forward_end_gradients=0)
+    p = predict(w, _fsdp(2))
+    assert any("peaks at the backward end of shard unit 3 of 4" in a for a in p.assumptions)
+    assert p.breakdown["gradients"] == math.ceil(25 / 2)  # the last unit's, reduced and sharded
+    assert p.breakdown["activations"] == 40 // 2 * 2 // 4  # the forward end's, of the 2 units left
+    assert p.breakdown["unsharded_parameters"] == 15 + 20 + 20  # the root, unit 3 and unit 2
+    assert p.breakdown["unsharded_gradients"] == 15 + 20 + 25  # the root's, unit 3's, unit 4's input
+    kept = predict(w, _fsdp(2, "fsdp2-no-reshard"))
+    assert any("peaks at the backward end of shard unit 3 of 4" in a for a in kept.assumptions)
+    assert kept.breakdown["unsharded_parameters"] == 15 + 3 * 20  # units 1-3 still gathered
 
 
 def test_fsdp2_with_cpu_offload_holds_what_one_process_does_under_full_offload() -> None:
@@ -210,7 +232,7 @@ def test_spread_leaves_out_what_an_engine_replaces_and_splits_that_do_not_divide
 
 
 def test_n_not_enough_says_how_many_are(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(TINY), "--budget", "3MiB", "--gpus", "2", "--json"]) == 0
+    assert main(["plan", str(TINY), "--budget", "2.2MiB", "--gpus", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert not plan["fits"] and plan["gpus"] == 2
     assert plan["advice"][0].startswith("2 GPUs are not enough: 3 are, with ")

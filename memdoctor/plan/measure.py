@@ -16,6 +16,7 @@ from memdoctor.plan.candidates import candidates, extrapolate_blocks, param_hold
 from memdoctor.plan.comm import measured_link
 from memdoctor.plan.memory import AMP_ACTIVATION_FACTOR
 from memdoctor.plan.padding import padding_facts
+from memdoctor.plan.parallel_fsdp import forward_end
 from memdoctor.plan.splits import output_bytes, split_of
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
@@ -89,6 +90,7 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
     if split.why_not:
         notes.append(split.why_not)
     names, units = shard_blocks(trace, notes)
+    fwd_acts, fwd_grads = forward_end(trace)
     missing = 0
     if not complete:
         missing, extra = extrapolate_blocks(trace, own, notes)
@@ -130,6 +132,8 @@ def measured_workload(trace: Trace, summary: dict[str, Any]) -> Workload | None:
         suggested_scale_log2=(summary.get("precision") or {}).get("suggested_init_scale_log2"),
         shard_units=units,
         shard_names=names,
+        forward_end_activations=fwd_acts,
+        forward_end_gradients=fwd_grads,
         optimizer_ms=(summary.get("phases_ms") or {}).get("optimizer"),
         **measured_link(trace, summary),
         outside_bytes=_outside_bytes(outside, notes),

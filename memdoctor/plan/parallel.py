@@ -9,11 +9,11 @@ Memory per rank (docs/planner.md, "Several GPUs", compares it with DeepSpeed's a
 
 - DDP: the whole model state, plus ``gradient_buckets``: one more copy of the gradients, the buckets DDP
   allocates when it wraps the model (``gradient_as_bucket_view=False``, its default, assumed);
-- FSDP2 (``fully_shard``): parameters, gradients and optimizer state / N, plus ``unsharded_parameters``:
-  the root's own unit (FSDP2 keeps the root gathered from its forward to the end of its backward) and
-  ``FSDP_UNITS_HELD`` of the largest shard units (the one running and the next, prefetched), or every
-  unit without resharding after forward; plus ``unsharded_gradients``: the root's and the same units'
-  gradients before their reduce-scatter (the gradients and the reduce-scatter's copy of them);
+- FSDP2 (``fully_shard``): parameters, gradients and optimizer state / N, plus ``unsharded_parameters``
+  (the root's unit and the shard units gathered) and ``unsharded_gradients`` (before their
+  reduce-scatter) at the largest of the moments of the step ``memdoctor.plan.parallel_fsdp`` names
+  (the forward end, the loss, the backward start, late backward), each with its own share of the
+  gradients and activations;
 - FSDP2 with ``CPUOffloadPolicy`` (``full_offload``): what one process holds under full offload
   (``memdoctor.plan.memory.full_offload_state``): sharded or not, the state lives on the host.
 """
@@ -28,6 +28,7 @@ from typing import Any
 from memdoctor.analysis.layers import ENGINE_CATEGORIES
 from memdoctor.plan.config import Config
 from memdoctor.plan.memory import OPTIMIZER_STEP_TEMP_FACTOR, ranks, step_floor
+from memdoctor.plan.parallel_fsdp import fsdp_parts
 from memdoctor.plan.timing import compute_factor
 from memdoctor.plan.workload import Workload
 from memdoctor.trace import Trace
@@ -35,11 +36,6 @@ from memdoctor.trace import Trace
 # DDP's gradient buckets: False (DDP's default) allocates them beside the gradients, one more copy;
 # True (the gradients are views into them) would cost nothing more. memdoctor run wraps with the default.
 DDP_GRADIENT_AS_BUCKET_VIEW = False
-# FSDP2: how many shard units' unsharded parameters a rank holds at once besides the root's (the one
-# computing and the next, prefetched: FSDP2's implicit forward and backward prefetch), and how many
-# units' unsharded gradients (the one whose backward runs, and the previous one's copy in its
-# reduce-scatter). An assumption to calibrate, as ``FULL_OFFLOAD_UNITS_HELD``.
-FSDP_UNITS_HELD = 2
 FSDP = ("fsdp2", "fsdp2-no-reshard")
 # GPU counts the planner tries when N are not enough ("which cards, and how many").
 GPU_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -57,6 +53,8 @@ def engine_parts(
     n = ranks(config)
     if n == 1:
         return parts
+    if sharded(config) and not config.full_offload:
+        return fsdp_parts(w, config, parts, shard_units(w, config), assumptions)
     out = dict(parts)
     out["gradients"] = _gradients_at_peak(w, config, parts, assumptions)
     if config.parallel == "ddp":
@@ -66,30 +64,7 @@ def engine_parts(
             f"({w.gradients} bytes: gradient_as_bucket_view=False, its default, assumed)"
         )
         return out
-    if config.full_offload:
-        assumptions.append(f"FSDP2 with CPU offload over {n} ranks: each rank holds what one process does")
-        return out
-    root, held = unsharded_bytes(w, config)
-    grad_ratio = w.gradients / w.parameters if w.parameters else 1.0
-    units = shard_units(w, config)
-    out["parameters"] = math.ceil(w.parameters / n)
-    out["unsharded_parameters"] = root + held
-    out["gradients"] = math.ceil(out["gradients"] / n)
-    out["unsharded_gradients"] = round(
-        (root + sum(sorted(units, reverse=True)[:FSDP_UNITS_HELD])) * grad_ratio
-    )
-    out["optimizer_state"] = math.ceil(parts["optimizer_state"] / n)
-    how = (
-        "every shard unit's, gathered in forward and kept to its backward (reshard_after_forward=False)"
-        if config.parallel == "fsdp2-no-reshard"
-        else f"{FSDP_UNITS_HELD} of the largest of {len(units)} shard units' (the one running and "
-        "the next, prefetched)"
-    )
-    assumptions.append(
-        f"FSDP2 over {n} ranks: parameters, gradients and optimizer state / {n}; unsharded at the peak: "
-        f"the root's own parameters ({root} bytes, gathered from its forward to the end of its backward) "
-        f"and {how}; the same units' gradients before their reduce-scatter (an assumption to calibrate)"
-    )
+    assumptions.append(f"FSDP2 with CPU offload over {n} ranks: each rank holds what one process does")
     return out
 
 
@@ -98,15 +73,6 @@ def shard_units(w: Workload, config: Config) -> tuple[int, ...]:
     (a plan without them wraps the root alone, which then holds every parameter)."""
     names = set(config.shard_modules)
     return tuple(b for n, b in zip(w.shard_names, w.shard_units, strict=False) if n in names)
-
-
-def unsharded_bytes(w: Workload, config: Config) -> tuple[int, int]:
-    """The root unit's parameter bytes, and the shard units' a rank holds gathered at the peak."""
-    units = shard_units(w, config)
-    root = max(0, w.parameters - sum(units))
-    if config.parallel == "fsdp2-no-reshard":
-        return root, sum(units)
-    return root, sum(sorted(units, reverse=True)[:FSDP_UNITS_HELD])
 
 
 def _gradients_at_peak(w: Workload, config: Config, parts: dict[str, int], assumptions: list[str]) -> int:
@@ -244,6 +210,8 @@ def _scaled(w: Workload, size: int, state: int, engine: int, coll_ms: float, not
         gradients=grads,
         optimizer_state=opt,
         activations=acts,
+        forward_end_activations=_times(w.forward_end_activations, size),
+        forward_end_gradients=_times(w.forward_end_gradients, state),
         temporaries=temps,
         fixed=fixed,
         outside_bytes=w.outside_bytes * size,
@@ -258,6 +226,10 @@ def _scaled(w: Workload, size: int, state: int, engine: int, coll_ms: float, not
         measured_world_size=size,
         notes=[*w.notes, note],
     )
+
+
+def _times(x: int | None, k: int) -> int | None:
+    return None if x is None else x * k
 
 
 def collective_ms(trace: Trace) -> float:

@@ -124,6 +124,7 @@ def full_batch(w: Workload, k: int, batch: int | None, oom_budget: int | None) -
         w,
         peak_bytes=w.peak_bytes + w.activations * (k - 1) + temporaries - w.temporaries,
         activations=w.activations * k,
+        forward_end_activations=None if w.forward_end_activations is None else w.forward_end_activations * k,
         temporaries=temporaries,
         attention_temporaries=w.attention_temporaries * k,
         candidates=[dataclasses.replace(c, free_bytes=c.free_bytes * k) for c in w.candidates],

@@ -129,6 +129,11 @@ class Workload:
     # The ranks of the job the trace measured (its header's ``distributed.world_size``): a rank's trace
     # is planned from its one-process equivalent (``memdoctor.plan.parallel.from_rank``); 1: one process.
     measured_world_size: int = 1
+    # The activations and gradients the peak step held at the end of its forward (``parallel_fsdp.
+    # forward_end``: a peak in the optimizer step holds few activations, and FSDP2 moves a rank's peak
+    # into the forward or backward); None: not measured (the peak's own figures are taken).
+    forward_end_activations: int | None = None
+    forward_end_gradients: int | None = None
 
     def adds_autocast(self, precision: str) -> bool:
         """Whether a config's ``precision`` changes the script: autocast where it runs none. Under its
