@@ -249,11 +249,14 @@ def test_readme_links_every_sample_report() -> None:
     for name in folders:
         assert f"](sample_reports/{name}/report.html)" in readme, f"README does not link {name}"
         assert (repo / "sample_reports" / name / "report.html").is_file()
-    # every sample report comes from a committed trace (benchmarks/make_sample_reports.py)
+    # every sample report comes from a committed trace (benchmarks/make_sample_reports.py): a GPU trace,
+    # or a recorded multi-rank folder (its merged report, each rank's in rank-K/)
     traces = sorted(
         p.name.removeprefix("gpu-").removesuffix(".jsonl.gz") for p in DATA.glob("gpu-*.jsonl.gz")
     )
-    assert folders == traces
+    ranks = [n for n in folders if (repo / "sample_reports" / n / "rank-0").is_dir()]
+    assert [n for n in folders if n not in ranks] == traces
+    assert ranks and all((DATA / f"cpu-{n}" / "ranks.json").is_file() for n in ranks)
 
 
 def test_the_top_of_the_page_names_the_plan_and_the_command_that_applies_it(tmp_path: Path) -> None:
