@@ -113,9 +113,8 @@ def test_the_recorded_ranks_merge_into_one_report(tmp_path: Path, engine: str) -
     merged = json.loads(paths["summary"].read_text())
     assert merged["world_size"] == 2
     # The recorded folder keeps the traces alone: each rank's figures are built from its trace.
-    assert merged["problems"] == [
-        f"rank {r}: {why}" for r in (0, 1) for why in ("no readable summary.json: built from its trace", "no report.html")
-    ]
+    why = ("no readable summary.json: built from its trace", "no report.html")
+    assert merged["problems"] == [f"rank {r}: {w}" for r in (0, 1) for w in why]
     peaks = [s["peak_memory_bytes"] for s in _rank_summaries(folder)]
     assert [r["peak_memory_bytes"] for r in merged["ranks"]] == peaks
     assert [r["status"] for r in merged["ranks"]] == ["ok", "ok"]
