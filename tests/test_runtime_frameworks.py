@@ -61,6 +61,21 @@ def close(a: list[float], b: list[float], atol: float) -> bool:
 # ----------------------------------------------------------------------------------------- HF
 
 
+def test_hf_accumulation_through_the_script_s_own_arguments_is_not_split_again(tmp_path: Path) -> None:
+    """``accumulation_split: arguments``: the script's own ``--batch 4 --gas 2`` (which ``memdoctor run``
+    adds) set the Trainer's batch and accumulation; the Trainer's switch must not halve them again (GPT-2
+    on the H200 ran at 1/4 while the plan scaled it by 2)."""
+    config = PlanConfig(
+        accumulation_steps=2, accumulation_split="arguments", script_args=("--batch", "4", "--gas", "2")
+    )
+    got = run("fw_hf_trainer.py", tmp_path, "--batch", "4", "--gas", "2", config=config)
+    assert (got["per_device_train_batch_size"], got["gradient_accumulation_steps"]) == (4, 2)
+    assert "accumulation" not in got["patch"].handled
+    state = FrameworkState(config, announce=lambda line: None)
+    kwargs, armed = trainer_kwargs(state, {"accumulate_grad_batches": 2, "max_steps": 3})
+    assert kwargs == {"accumulate_grad_batches": 2, "max_steps": 3} and armed is None
+
+
 @pytest.mark.parametrize("samples", [24, 20])  # 20: the epoch ends on a partial batch of 4
 def test_hf_accumulation_keeps_batch_steps_schedule_and_gradients(tmp_path: Path, samples: int) -> None:
     base = run("fw_hf_trainer.py", tmp_path, "--samples", str(samples))

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from memdoctor.config.export import hf_training_arguments
-from memdoctor.levers.frameworks_state import FrameworkState, micro_batch_note
+from memdoctor.levers.frameworks_state import FrameworkState, framework_splits, micro_batch_note
 from memdoctor.units import fit_name
 
 
@@ -50,7 +50,7 @@ def patch_trainer(state: FrameworkState, module: ModuleType) -> None:
 def _apply_training_arguments(state: FrameworkState, args: Any, module: ModuleType) -> None:
     """Set the plan's values on the user's TrainingArguments before their own ``__post_init__``."""
     config, wanted = state.config, hf_training_arguments(state.config)
-    if config.accumulation_steps > 1:
+    if framework_splits(config):
         _hf_accumulation(state, args)
     if config.precision != "fp32":
         _hf_precision(state, args, module, wanted)

@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from memdoctor.config.export import lightning_trainer_kwargs
-from memdoctor.levers.frameworks_state import FrameworkState, micro_batch_note
+from memdoctor.levers.frameworks_state import FrameworkState, framework_splits, micro_batch_note
 
 _FULL_PRECISION = (None, 32, "32", "32-true")
 
@@ -58,7 +58,7 @@ def trainer_kwargs(
 ) -> tuple[dict[str, Any], tuple[int, int] | None]:
     """The user's ``Trainer`` kwargs with the plan's accumulation and precision (+ what to split by)."""
     config, out, armed = state.config, dict(kwargs), None
-    if config.accumulation_steps > 1:
+    if framework_splits(config):
         armed = _lightning_accumulation(state, out)
     if config.precision != "fp32":
         wanted = lightning_trainer_kwargs(config)["precision"]

@@ -50,6 +50,15 @@ class FrameworkState:
             self._undos.pop()()
 
 
+def framework_splits(config: PlanConfig) -> bool:
+    """Whether the framework's own accumulation switch takes the plan's micro-batches: not when the
+    script's own arguments do (``accumulation_split: arguments``), which already set the framework's
+    batch and accumulation. Both at once split twice: GPT-2's Trainer, re-profiled through
+    ``--batch-size 8 --grad-accum 2`` on the H200, ran at per-device batch 4 x 4 while the plan scaled
+    its activations x2 (its plans under-predicted, then ran out of memory)."""
+    return config.accumulation_steps > 1 and config.accumulation_split != "arguments"
+
+
 def micro_batch_note(config: PlanConfig, batch: int) -> str:
     """Why the config's micro_batch differs from what the script's batch size gives, or ""."""
     micro = config.micro_batch
