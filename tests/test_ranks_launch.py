@@ -129,6 +129,7 @@ def test_one_rank_out_of_memory(tmp_path: Path) -> None:
     assert proc.returncode == exitcodes.OUT_OF_MEMORY, proc.stderr[-3000:]
     assert ranks["failed_first"] == 0 and ranks["ranks"][0]["status"] == "oom"
     assert load_trace(out / ranks["ranks"][1]["trace"]).header["distributed"]["rank"] == 1
+    assert "the re-profile does not run per rank yet" in proc.stderr  # not left to think it ran
 
 
 def test_timeout_with_a_hung_rank(tmp_path: Path) -> None:

@@ -179,10 +179,23 @@ def _profile_ranks(ns: argparse.Namespace, job: Any, out_dir: Path, note: str | 
         f"{ns.warmup} warm-up + {ns.steps} steps each, writing rank-K/ folders to {display_path(out_dir)}"
     )
     result = profile_ranks(request, job)
-    for line in [*outcome_lines(result), *result.notes]:
+    for line in [*outcome_lines(result), *result.notes, *_not_reprofiled(ns, result)]:
         say(line)
     print_written(result.written)
     return int(result.exit_code)
+
+
+def _not_reprofiled(ns: argparse.Namespace, result: Any) -> list[str]:
+    """The re-profile (on by default) is one process's: a rank that ran out of memory is not re-profiled
+    at a smaller micro-batch yet, and the user is told so rather than left to think it was."""
+    oom = [e.rank for e in result.entries if e.status == "oom"]
+    if not oom or not getattr(ns, "reprofile", 0):
+        return []
+    ranks = ", ".join(str(r) for r in oom)
+    return [
+        f"rank {ranks} ran out of memory: the re-profile does not run per rank yet, so its unmeasured "
+        "modules stay unmeasured; plan from its trace (memdoctor plan rank-K/trace.jsonl.gz --gpus N)"
+    ]
 
 
 def _request(ns: argparse.Namespace, out_dir: Path, *, progress: bool) -> Any:
