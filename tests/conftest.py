@@ -67,6 +67,7 @@ FAST_FILES = frozenset(
         "test_host_optimizer.py",
         "test_loopsplit.py",
         "test_ledger_offload.py",
+        "test_leave.py",
         "test_nvtx.py",
         "test_offload.py",
         "test_optimizers.py",

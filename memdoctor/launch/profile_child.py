@@ -31,6 +31,7 @@ from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
 from memdoctor.launch.control import ChildControl, child_control
 from memdoctor.launch.faults import close_session, exception_fields, is_oom, one_line
+from memdoctor.launch.leave import leave
 from memdoctor.launch.rank_trace import BackendWatchingWriter
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 from memdoctor.patching import wrap_attr
@@ -83,6 +84,8 @@ def main() -> int:
     extra = installation.argv_args() if installation is not None else []
     code = _run({**cfg, "argv_extra": extra}, session, writer)
     writer.close()
+    if installation is not None and installation.started_group:  # as memdoctor run's ranks (leave.py)
+        leave(code)
     return code
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from memdoctor.errors import ConfigError
 from memdoctor.exitcodes import INTERRUPTED, SCRIPT_OK, SCRIPT_RAISED
 from memdoctor.launch.control import set_parent_death_signal
+from memdoctor.launch.leave import leave
 from memdoctor.launch.script import exit_code, prepare_sys, run_target, user_tb
 
 ENV_VAR = "MEMDOCTOR_RUN"
@@ -34,6 +35,8 @@ def main() -> int:
     prepare_sys({**cfg, "argv_extra": installation.argv_args()})
     code = _run(cfg)
     installation.finish()
+    if installation.started_group:  # gloo's threads outlive the group: leave without the teardown
+        leave(code)
     return code
 
 
