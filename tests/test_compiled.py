@@ -159,3 +159,29 @@ def test_in_compiled_call_is_true_only_under_a_compiled_call() -> None:
     f(torch.ones(2))
     probe()
     assert seen == [True, False]
+
+
+def test_a_compiled_model_under_runs_precision_gets_no_dynamo_warning_from_memdoctor(tmp_path: Path) -> None:
+    """``memdoctor run``'s autocast lever asks which autocast is in force from inside the compiled
+    forward; dynamo warned there about tracing through ``functools.cache`` (memdoctor's code, on the
+    script's terminal). Run as ``memdoctor run`` runs a script, in process."""
+    from tests.test_run import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "cm = torch.compile(m, backend='eager')\n"
+        "for _ in range(3):\n"
+        "    cm(torch.randn(4, 8)).float().pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+    )
+    dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lines = run_script(script, [], {"precision": "bf16"})
+    assert any("autocast bf16" in line for line in lines), lines
+    ours = [str(w.message) for w in seen if "memdoctor" in str(w.message) or "memdoctor" in w.filename]
+    assert ours == []

@@ -16,7 +16,6 @@ read once per step, off the hot path.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -59,9 +58,17 @@ def autocast_readers(device_type: str) -> tuple[Callable[[], bool], Callable[[],
     return torch.is_autocast_enabled, torch.get_autocast_gpu_dtype
 
 
-@functools.cache
+_READERS: dict[str, tuple[Callable[[], bool], Callable[[], torch.dtype]]] = {}
+
+
 def _readers(device_type: str) -> tuple[Callable[[], bool], Callable[[], torch.dtype]]:
-    return autocast_readers(device_type)
+    """``autocast_readers``, once per device type. A dict, not ``functools.cache``: the module hooks
+    that ask run inside a compiled model's forward, where dynamo warns that it traces through the
+    cache's wrapper (the warning reached the terminal of a ``torch.compile`` script under ``run``)."""
+    found = _READERS.get(device_type)
+    if found is None:
+        found = _READERS[device_type] = autocast_readers(device_type)
+    return found
 
 
 def autocast_now(device_type: str) -> torch.dtype | None:
