@@ -10,8 +10,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from memdoctor.launch.leave import flush_open_files
+from memdoctor.levers.owngroup import start_own_group, started_a_group
 from tests.test_run import REPO
 
 
@@ -29,6 +31,18 @@ def test_open_files_buffers_reach_the_disk_text_layer_first(tmp_path: Path) -> N
     finally:
         ft.close()
         fb.close()
+
+
+def test_a_group_memdoctor_started_is_known_after_it_is_destroyed() -> None:
+    """The children ask ``started_a_group`` after the script: the group may be destroyed by then, and
+    gloo's threads still alive (full_offload's world of one here, as ``memdoctor run`` starts it)."""
+    undo = start_own_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        undo()
+    assert not dist.is_initialized()
+    assert started_a_group()
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Leaving a rank whose process group memdoctor started (``parallel``), without the interpreter's teardown.
+"""Leaving a process whose process group memdoctor started (``parallel``'s rank, ``full_offload``'s world of
+one; ``memdoctor.levers.owngroup``), without the interpreter's teardown.
 
 Why: the group outlives ``destroy_process_group`` (the model memdoctor wrapped still refers to it), so
 gloo's worker threads are alive while Python finalizes. A worker that is still releasing its last

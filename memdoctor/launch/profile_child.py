@@ -84,7 +84,9 @@ def main() -> int:
     extra = installation.argv_args() if installation is not None else []
     code = _run({**cfg, "argv_extra": extra}, session, writer)
     writer.close()
-    if installation is not None and installation.started_group:  # as memdoctor run's ranks (leave.py)
+    from memdoctor.levers.owngroup import started_a_group
+
+    if started_a_group():  # parallel's or full_offload's: as memdoctor run's child (launch/leave.py)
         leave(code)
     return code
 

@@ -35,7 +35,9 @@ def main() -> int:
     prepare_sys({**cfg, "argv_extra": installation.argv_args()})
     code = _run(cfg)
     installation.finish()
-    if installation.started_group:  # gloo's threads outlive the group: leave without the teardown
+    from memdoctor.levers.owngroup import started_a_group
+
+    if started_a_group():  # parallel's or full_offload's: gloo's threads outlive it (launch/leave.py)
         leave(code)
     return code
 

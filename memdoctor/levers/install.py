@@ -84,12 +84,6 @@ class Installation:
         self.lines.append(line)
         self.say(line)
 
-    @property
-    def started_group(self) -> bool:
-        """Whether ``parallel`` started this rank's process group (``memdoctor.launch.leave`` says why
-        that changes how the rank exits)."""
-        return self._sharding is not None
-
     def ours(self, part: str) -> bool:
         """Whether memdoctor applies ``part`` here (not the framework path)."""
         return part not in self.framework.handled

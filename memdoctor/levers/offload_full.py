@@ -22,7 +22,6 @@ than one process is refused: this lever is for one device.
 
 from __future__ import annotations
 
-import atexit
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,6 +32,7 @@ from torch import nn
 
 from memdoctor.levers.beforeoptimizer import BeforeOptimizer, Swap, swap_of
 from memdoctor.levers.modnames import class_name, recorded_names
+from memdoctor.levers.owngroup import start_own_group
 from memdoctor.patching import Undo, set_attr
 
 STACK_MIN = 3  # as the analysis's repeated stacks (memdoctor.analysis.layers.repeated_blocks)
@@ -180,15 +180,7 @@ def process_group() -> Undo:
             )
         return lambda: None
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-    def destroy() -> None:
-        atexit.unregister(destroy)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    atexit.register(destroy)
-    return destroy
+    return start_own_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def kept_on_device(root: nn.Module, fail: Callable[[str], None], part: str) -> Undo:

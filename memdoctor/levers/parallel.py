@@ -27,7 +27,6 @@ so the global batch is N times it, and an epoch over a sharded loader has 1/N of
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from memdoctor.config import PlanConfig
 from memdoctor.levers.beforeoptimizer import BeforeOptimizer, Swap, swap_of
 from memdoctor.levers.modnames import class_name, submodule
 from memdoctor.levers.offload_full import fsdp2, kept_on_device, model_for
+from memdoctor.levers.owngroup import start_own_group
 from memdoctor.levers.parallel_data import DataSharding
 from memdoctor.patching import Undo, wrap_attr, wrap_forward
 from memdoctor.units import format_bytes
@@ -275,15 +275,7 @@ def start_group(world: World) -> Undo:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, rank=world.rank, world_size=world.size)
-
-    def destroy() -> None:
-        atexit.unregister(destroy)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    atexit.register(destroy)
-    return destroy
+    return start_own_group(backend, rank=world.rank, world_size=world.size)
 
 
 def start_parallel(
