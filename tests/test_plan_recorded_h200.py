@@ -4,12 +4,14 @@ what-if against the measured bf16 run, and a run that died in its root's logits 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from memdoctor.plan.config import Config
 from memdoctor.plan.measure import measured_workload
 from memdoctor.plan.memory import memory_parts
+from memdoctor.plan.workload import Workload
 from memdoctor.report import build_summary
 from memdoctor.trace import load_trace
 
@@ -38,3 +40,75 @@ def test_a_run_that_died_in_its_root_upcast_is_never_planned_as_fitting_unchange
     w = measured_workload(trace, summary)
     assert w is not None and w.as_is_oom_budget == 8 * 2**30
     assert summary["plan"]["levers"], summary["plan"]
+
+
+def test_gradients_the_peak_ledger_counted_are_not_counted_again_in_the_fixed_rest() -> None:
+    """GPT-2's re-profile at 1/2 (H100, session 8) died in its second micro-batch's backward with the
+    first one's gradients live: the peak ledger counted them (0.50 GB), the step's categories had them
+    in "other". The plan counted them as gradients and again in the fixed rest, 0.50 GB too high.
+    Rebuilt here on the minimal GPT's re-profile by moving its gradients into "other" the same way."""
+    import copy
+
+    trace = load_trace(DATA / "gpu-mini-gpt-124m-b12-s1024-8gib-reprofile.jsonl.gz")
+    summary = build_summary(trace)
+    as_recorded = measured_workload(trace, summary)
+    moved = copy.deepcopy(summary)
+    grads = moved["categories"]["gradients"]
+    assert grads > 0 and moved["peak_ledger"]["categories"]["gradients"] > 0
+    moved["categories"]["gradients"] = 0
+    moved["categories"]["other"] = (moved["categories"].get("other") or 0) + grads
+    w = measured_workload(trace, moved)
+    assert w is not None and as_recorded is not None
+    assert w.fixed <= as_recorded.fixed + (grads - moved["peak_ledger"]["categories"]["gradients"])
+    assert w.gradients_at_peak == moved["peak_ledger"]["categories"]["gradients"]
+    unchanged = sum(memory_parts(w, Config(), [], []).values())
+    assert unchanged == summary["peak_memory_bytes"], "the unchanged config still predicts the peak"
+
+
+def _llama() -> tuple[Workload | None, dict[str, Any]]:
+    import json
+
+    trace = load_trace(DATA / "gpu-llama-1p1b-b4-s1024-8gib-full-offload.jsonl.gz")
+    raw = DATA.parent.parent / "benchmarks" / "results-h200-2026-12-04-session6.json"
+    results = json.loads(raw.read_text())
+    return measured_workload(trace, build_summary(trace)), results["results"]["1.1B full offload (call 5)"]
+
+
+def test_full_offload_counts_autocast_s_weight_cache_or_the_gradients_never_both() -> None:
+    """Under full offload the 16-bit weight copies live through the forward and the gradients come in the
+    backward: the 1.1B decoder's plan counted both (+0.88 GB) and over-predicted its allocated peak by
+    15.6% on the H200."""
+    from memdoctor.plan.config import EXPANDABLE_SEGMENTS
+
+    w, _ = _llama()
+    assert w is not None
+    config = Config(precision="bf16", full_offload=True, allocator=EXPANDABLE_SEGMENTS, attention="sdpa")
+    notes: list[str] = []
+    parts = memory_parts(w, config, [], notes)
+    assert parts["autocast_weight_cache"] > 0 and parts["gradients"] == 0
+    assert any("never live together" in n for n in notes)
+    fp32 = memory_parts(w, Config(full_offload=True), [], [])
+    assert fp32["gradients"] > 0, "without autocast the gradients stay"
+
+
+def test_full_offload_plan_of_the_h200_run_predicts_its_reserved_peak_within_5_percent() -> None:
+    """The plan the H200 ran on 2026-12-04 (layers 1-19 checkpointed, bf16, SDPA, expandable segments,
+    full offload): reserved predicted against the run's measured maximum. The allocator slack under full
+    offload (1.20) was calibrated on this run, so this holds the model to it rather than testing it;
+    without expandable segments the slack is taken larger."""
+    import dataclasses
+
+    from memdoctor.plan.config import EXPANDABLE_SEGMENTS
+    from memdoctor.plan.model import predict
+
+    w, ran = _llama()
+    assert w is not None
+    layers = tuple(f"model.layers.{i}" for i in range(1, 20))
+    config = Config(checkpoint=layers, precision="bf16", attention="sdpa", full_offload=True)
+    config = dataclasses.replace(config, allocator=EXPANDABLE_SEGMENTS)
+    p = predict(w, config)
+    measured = ran["measured_max_reserved_bytes"]
+    assert abs(p.reserved_bytes - measured) <= 0.05 * measured, (p.reserved_bytes, measured)
+    assert p.peak_bytes >= ran["measured_max_allocated_bytes"], "allocated: not under the measured peak"
+    bare = predict(w, dataclasses.replace(config, allocator=None))
+    assert bare.reserved_bytes > p.reserved_bytes

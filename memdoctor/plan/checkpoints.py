@@ -11,6 +11,7 @@ from collections.abc import Callable
 from memdoctor.plan.config import Config
 from memdoctor.plan.memory import (
     activation_scale,
+    apart_under_full_offload,
     checkpointed_gradients,
     offloaded_state,
     ranks,
@@ -72,6 +73,8 @@ def _needed_saving(w: Workload, config: Config, target: Target) -> float | None:
     _, grads = offloaded_state(w, config, [])
     grads = checkpointed_gradients(grads, config)
     parts["gradients"] = -(-grads // ranks(config)) if sharded(config) and not config.full_offload else grads
+    if config.full_offload:
+        apart_under_full_offload(parts, [])
     rest = sum(parts.values()) - parts["activations"]
     floor = engine_floor(w, config, parts, [])
     allowed = target.limit_bytes / reserved_ratio(w, dataclasses.replace(config, checkpoint=("",)))
