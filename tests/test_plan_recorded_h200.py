@@ -112,3 +112,26 @@ def test_full_offload_plan_of_the_h200_run_predicts_its_reserved_peak_within_5_p
     assert p.peak_bytes >= ran["measured_max_allocated_bytes"], "allocated: not under the measured peak"
     bare = predict(w, dataclasses.replace(config, allocator=None))
     assert bare.reserved_bytes > p.reserved_bytes
+
+
+def test_each_module_type_s_bf16_factor_is_what_gpt2_measured_net_of_its_weight_copies() -> None:
+    """Per module type, the bytes GPT-2 saved under bf16 over fp32 (uncapped, H200), less the 16-bit
+    weight copies the plan counts as autocast's cache, against the factor the plan uses. Conv1D had
+    0.59, which counted its weight copies a second time."""
+    import collections
+
+    from memdoctor.analysis.layers import layer_table
+    from memdoctor.analysis.steps import peak_step
+    from memdoctor.plan.measure import amp_factor
+
+    saved: dict[str, dict[str, list[int]]] = {}
+    for tag in ("fp32", "bf16"):
+        trace = load_trace(DATA / f"gpu-gpt2-small-trainer-b16-s512-{tag}-uncapped.jsonl.gz")
+        per = saved[tag] = collections.defaultdict(lambda: [0, 0])
+        for r in layer_table(trace, peak_step(trace)):
+            per[r["type"]][0] += r["activation_self_bytes"] or 0
+            per[r["type"]][1] += r["param_bytes"] or 0
+    for kind in ("Conv1D", "GPT2Attention", "NewGELUActivation", "LayerNorm", "Dropout"):
+        fp32, params = saved["fp32"][kind]
+        bf16 = saved["bf16"][kind][0] - params // 2
+        assert abs(bf16 / fp32 - amp_factor(kind, "cuda")) < 0.02, kind
