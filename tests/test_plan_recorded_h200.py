@@ -135,3 +135,26 @@ def test_each_module_type_s_bf16_factor_is_what_gpt2_measured_net_of_its_weight_
         fp32, params = saved["fp32"][kind]
         bf16 = saved["bf16"][kind][0] - params // 2
         assert abs(bf16 / fp32 - amp_factor(kind, "cuda")) < 0.02, kind
+
+
+def test_full_offload_plan_measured_after_the_calibration_is_within_5_percent() -> None:
+    """Session 8's plan (H100, 2026-12-07; a different checkpoint set from the one the slack was
+    calibrated on: 17 layers and five sub-modules), predicted from the committed H200 profile, against
+    what `memdoctor run` measured: reserved within 5%, allocated not under by more than 5%."""
+    import dataclasses
+    import json
+
+    from memdoctor.plan.config import EXPANDABLE_SEGMENTS
+    from memdoctor.plan.model import predict
+
+    w, _ = _llama()
+    assert w is not None
+    raw = DATA.parent.parent / "benchmarks" / "results-h100-2026-12-07-session8.json"
+    ran = json.loads(raw.read_text())["results"]["1.1B full offload"]
+    config = Config(
+        checkpoint=tuple(ran["checkpoint"]), precision="bf16", attention="sdpa", full_offload=True
+    )
+    p = predict(w, dataclasses.replace(config, allocator=EXPANDABLE_SEGMENTS))
+    reserved, allocated = ran["run"]["max_reserved_bytes"], ran["run"]["max_allocated_bytes"]
+    assert abs(reserved - p.reserved_bytes) <= 0.05 * p.reserved_bytes, (p.reserved_bytes, reserved)
+    assert allocated <= 1.05 * p.peak_bytes, (p.peak_bytes, allocated)
