@@ -3,14 +3,21 @@ what-if against the measured bf16 run, and a run that died in its root's logits 
 
 from __future__ import annotations
 
+import collections
+import copy
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from memdoctor.plan.config import Config
-from memdoctor.plan.measure import measured_workload
+from memdoctor.analysis.layers import layer_table
+from memdoctor.analysis.steps import peak_step
+from memdoctor.plan.config import EXPANDABLE_SEGMENTS, Config
+from memdoctor.plan.measure import amp_factor, measured_workload
 from memdoctor.plan.memory import memory_parts
+from memdoctor.plan.model import predict
 from memdoctor.plan.workload import Workload
 from memdoctor.report import build_summary
 from memdoctor.trace import load_trace
@@ -47,8 +54,6 @@ def test_gradients_the_peak_ledger_counted_are_not_counted_again_in_the_fixed_re
     first one's gradients live: the peak ledger counted them (0.50 GB), the step's categories had them
     in "other". The plan counted them as gradients and again in the fixed rest, 0.50 GB too high.
     Rebuilt here on the minimal GPT's re-profile by moving its gradients into "other" the same way."""
-    import copy
-
     trace = load_trace(DATA / "gpu-mini-gpt-124m-b12-s1024-8gib-reprofile.jsonl.gz")
     summary = build_summary(trace)
     as_recorded = measured_workload(trace, summary)
@@ -66,8 +71,6 @@ def test_gradients_the_peak_ledger_counted_are_not_counted_again_in_the_fixed_re
 
 
 def _llama() -> tuple[Workload | None, dict[str, Any]]:
-    import json
-
     trace = load_trace(DATA / "gpu-llama-1p1b-b4-s1024-8gib-full-offload.jsonl.gz")
     raw = DATA.parent.parent / "benchmarks" / "results-h200-2026-12-04-session6.json"
     results = json.loads(raw.read_text())
@@ -78,8 +81,6 @@ def test_full_offload_counts_autocast_s_weight_cache_or_the_gradients_never_both
     """Under full offload the 16-bit weight copies live through the forward and the gradients come in the
     backward: the 1.1B decoder's plan counted both (+0.88 GB) and over-predicted its allocated peak by
     15.6% on the H200."""
-    from memdoctor.plan.config import EXPANDABLE_SEGMENTS
-
     w, _ = _llama()
     assert w is not None
     config = Config(precision="bf16", full_offload=True, allocator=EXPANDABLE_SEGMENTS, attention="sdpa")
@@ -96,11 +97,6 @@ def test_full_offload_plan_of_the_h200_run_predicts_its_reserved_peak_within_5_p
     full offload): reserved predicted against the run's measured maximum. The allocator slack under full
     offload (1.20) was calibrated on this run, so this holds the model to it rather than testing it;
     without expandable segments the slack is taken larger."""
-    import dataclasses
-
-    from memdoctor.plan.config import EXPANDABLE_SEGMENTS
-    from memdoctor.plan.model import predict
-
     w, ran = _llama()
     assert w is not None
     layers = tuple(f"model.layers.{i}" for i in range(1, 20))
@@ -118,12 +114,6 @@ def test_each_module_type_s_bf16_factor_is_what_gpt2_measured_net_of_its_weight_
     """Per module type, the bytes GPT-2 saved under bf16 over fp32 (uncapped, H200), less the 16-bit
     weight copies the plan counts as autocast's cache, against the factor the plan uses. Conv1D had
     0.59, which counted its weight copies a second time."""
-    import collections
-
-    from memdoctor.analysis.layers import layer_table
-    from memdoctor.analysis.steps import peak_step
-    from memdoctor.plan.measure import amp_factor
-
     saved: dict[str, dict[str, list[int]]] = {}
     for tag in ("fp32", "bf16"):
         trace = load_trace(DATA / f"gpu-gpt2-small-trainer-b16-s512-{tag}-uncapped.jsonl.gz")
@@ -141,12 +131,6 @@ def test_full_offload_plan_measured_after_the_calibration_is_within_5_percent() 
     """Session 8's plan (H100, 2026-12-07; a different checkpoint set from the one the slack was
     calibrated on: 17 layers and five sub-modules), predicted from the committed H200 profile, against
     what `memdoctor run` measured: reserved within 5%, allocated not under by more than 5%."""
-    import dataclasses
-    import json
-
-    from memdoctor.plan.config import EXPANDABLE_SEGMENTS
-    from memdoctor.plan.model import predict
-
     w, _ = _llama()
     assert w is not None
     raw = DATA.parent.parent / "benchmarks" / "results-h100-2026-12-07-session8.json"

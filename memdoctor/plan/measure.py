@@ -241,20 +241,27 @@ def _with_ledger_gradients(summary: dict[str, Any]) -> dict[str, Any]:
     categories put them in "other", so the plan counted them twice, as gradients and in the fixed rest
     (GPT-2 small's re-profile at 1/2 on the H100: 0.50 GB of 7.19 predicted, BENCHMARKS.md)."""
     cats = dict(summary.get("categories") or {})
-    led = summary.get("peak_ledger") or {}
-    counted = (led.get("categories") or {}).get("gradients")
-    if isinstance(counted, (int, float)) and led.get("step") == summary.get("peak_step"):
-        cats["gradients"] = max(int(cats.get("gradients") or 0), int(counted))
+    counted = _peak_ledger(summary, "gradients")
+    if counted is not None:
+        cats["gradients"] = max(int(cats.get("gradients") or 0), counted)
     return cats
+
+
+def _peak_ledger(summary: dict[str, Any], category: str) -> int | None:
+    """Bytes of ``category`` in the peak ledger, when it recorded the peak step (None otherwise)."""
+    led = summary.get("peak_ledger") or {}
+    found = (led.get("categories") or {}).get(category)
+    if isinstance(found, (int, float)) and led.get("step") == summary.get("peak_step"):
+        return int(found)
+    return None
 
 
 def _temporaries(summary: dict[str, Any], rest: int, notes: list[str]) -> int:
     """The batch-dependent part of the unaccounted rest: the peak ledger's temporaries when recorded;
     without a ledger the whole rest is kept fixed (it does not shrink with the batch: an upper bound)."""
-    led = summary.get("peak_ledger") or {}
-    temp = (led.get("categories") or {}).get("temporaries")
-    if isinstance(temp, (int, float)) and led.get("step") == summary.get("peak_step"):
-        return min(rest, int(temp))
+    temp = _peak_ledger(summary, "temporaries")
+    if temp is not None:
+        return min(rest, temp)
     notes.append(
         "temporaries not attributed (no peak ledger): kept fixed under every change (an upper bound)"
     )

@@ -44,7 +44,8 @@ CHECKPOINT_RESERVED_RATIO = 1.15
 # the H200 (the 1.1B decoder's plan: 7.26 GB reserved over 6.05 GB allocated, 2026-12-04; 7.27 GB reserved
 # the day before). With 1.075 assumed, the reserved figure was near only because the allocated one
 # counted the gradients and autocast's cache together (``apart_under_full_offload``). One workload measured.
-# Without expandable segments the gap is taken as 1 / EXPANDABLE_GAP_KEPT times larger (not measured).
+# Without expandable segments the slack they would shrink to it is taken (1 + 0.20 / EXPANDABLE_GAP_KEPT;
+# not measured).
 FULL_OFFLOAD_RESERVED_RATIO = 1.20
 
 
@@ -328,13 +329,10 @@ def reserved_ratio(w: Workload, config: Config) -> float:
     ratio = w.reserved_ratio
     if config != Config():
         ratio = max(ratio, CHECKPOINT_RESERVED_RATIO if config.checkpoint else CHANGED_RESERVED_RATIO)
+    if config.full_offload:  # measured with expandable segments: the slack they shrink to it
+        ratio = max(ratio, 1.0 + (FULL_OFFLOAD_RESERVED_RATIO - 1.0) / EXPANDABLE_GAP_KEPT)
     if config.allocator == EXPANDABLE_SEGMENTS:
         ratio = 1.0 + (ratio - 1.0) * EXPANDABLE_GAP_KEPT
-    if config.full_offload:  # measured with expandable segments; without, their assumed share undone
-        gap = FULL_OFFLOAD_RESERVED_RATIO - 1.0
-        ratio = max(
-            ratio, 1.0 + (gap if config.allocator == EXPANDABLE_SEGMENTS else gap / EXPANDABLE_GAP_KEPT)
-        )
     return ratio * w.memory_correction
 
 
